@@ -1,0 +1,289 @@
+"""The speculative engine is lossless: greedy equality with `generate`, a chi-square test for sampling, exact
+logprobs, full acceptance for a self-drafter, and clear errors on bad input."""
+
+import dataclasses
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from trl_tlt.drafters import Draft, ModelDrafter, NgramDrafter
+from trl_tlt.engine import SpeculativeEngine
+from trl_tlt.sampling import SamplingParams, process_logits
+from trl_tlt.tiny import build_tiny_model
+
+
+EOS = 2
+
+
+def random_prompts(n, vocab, seed=0, max_len=12):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len, (n,), generator=g)
+    return [torch.randint(3, vocab, (int(length),), generator=g).tolist() for length in lengths]
+
+
+def hf_greedy(model, prompts, max_new_tokens, **kwargs):
+    out = []
+    for prompt in prompts:
+        ids = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS, **kwargs
+        )[0, len(prompt) :].tolist()
+        out.append(ids[: ids.index(EOS) + 1] if EOS in ids else ids)
+    return out
+
+
+def make_drafter(name, model, tokenizer):
+    if name == "ngram":
+        return NgramDrafter(max_n=3, min_n=1)
+    if name == "model":
+        small = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=1, seed=7, dtype=model.dtype)
+        return ModelDrafter(small, model.config.vocab_size)
+    return None
+
+
+@pytest.mark.parametrize("drafter_name", ["none", "ngram", "model"])
+def test_greedy_matches_generate(tiny_model_f64, tokenizer, drafter_name):
+    model = tiny_model_f64
+    # Repeated prompts give the n-gram drafter siblings to copy from.
+    prompts = random_prompts(8, model.config.vocab_size) * 2
+    expected = hf_greedy(model, prompts, max_new_tokens=24)
+    params = SamplingParams(do_sample=False, max_new_tokens=24, eos_token_ids=(EOS,))
+    for batch in (1, 5, 16):
+        for k in (1, 3, 7):
+            engine = SpeculativeEngine(
+                model, drafter=make_drafter(drafter_name, model, tokenizer), num_speculative_tokens=k
+            )
+            out = engine.generate(prompts[:batch], params)
+            assert out.completion_ids == expected[:batch], (drafter_name, batch, k)
+            if drafter_name == "none":
+                break
+
+
+def test_greedy_with_repetition_penalty_matches_generate(tokenizer):
+    model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=2, dtype=torch.float64)
+    prompts = random_prompts(4, model.config.vocab_size, seed=3)
+    expected = hf_greedy(model, prompts, max_new_tokens=16, repetition_penalty=1.3)
+    params = SamplingParams(do_sample=False, max_new_tokens=16, eos_token_ids=(EOS,), repetition_penalty=1.3)
+    drafter = ModelDrafter(model, model.config.vocab_size)
+    out = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=3).generate(prompts, params)
+    assert out.completion_ids == expected
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=6, max_new_tokens=3),
+        SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=3, repetition_penalty=1.2),
+        SamplingParams(temperature=1.0, min_p=0.05, max_new_tokens=3),
+    ],
+)
+def test_logprobs_equal_plain_forward(tiny_model_f64, tokenizer, params):
+    model = tiny_model_f64
+    prompts = random_prompts(6, model.config.vocab_size, seed=1)
+    drafter = make_drafter("model", model, tokenizer)
+    out = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=2).generate(
+        prompts, params, generator=torch.Generator().manual_seed(0)
+    )
+    for prompt, completion, logprobs in zip(prompts, out.completion_ids, out.logprobs, strict=True):
+        ids = torch.tensor([prompt + completion])
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]  # (T, V)
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        for t in range(len(completion)):
+            seen[t, ids[0, : len(prompt) + t]] = True
+        expected = process_logits(logits, params, seen).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), expected)
+
+
+def test_self_drafter_accepts_everything(tokenizer):
+    model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=2, dtype=torch.float64)
+    prompts = random_prompts(6, model.config.vocab_size, seed=2)
+    k = 4
+    for params in (
+        SamplingParams(do_sample=False, max_new_tokens=23),
+        SamplingParams(temperature=0.8, top_k=20, max_new_tokens=23),
+    ):
+        engine = SpeculativeEngine(
+            model, drafter=ModelDrafter(model, model.config.vocab_size), num_speculative_tokens=k
+        )
+        out = engine.generate(prompts, params, generator=torch.Generator().manual_seed(0))
+        stats = out.stats
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        # 1 prefill token + 22 left: steps of k+1 = 5 tokens, the budget cuts the last draft to 1 token.
+        assert all(len(c) == 23 for c in out.completion_ids)
+        assert stats.num_target_forwards == 5
+        assert stats.mean_acceptance_length == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts)
+        assert stats.num_accepted_tokens_per_pos[0] == stats.num_drafts
+
+
+def peaked_model(tokenizer, seed=0, scale=20.0, noise=0.0):
+    """A random model with peaked next-token distributions (and optionally a perturbed twin as drafter)."""
+    model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=2, seed=seed, dtype=torch.float64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+        if noise:
+            g = torch.Generator().manual_seed(seed + 100)
+            model.lm_head.weight.add_(
+                noise * torch.randn(model.lm_head.weight.shape, generator=g, dtype=torch.float64)
+            )
+    return model
+
+
+@torch.no_grad()
+def exact_sequence_distribution(model, prompt, params, length):
+    """p(x1..x_length) under the processed distribution, by enumerating the support: {(x1, ...): prob}."""
+    vocab = model.config.vocab_size
+    dist = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(dist)
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        seen = torch.zeros(len(prefixes), vocab, dtype=torch.bool).scatter_(1, ids, True)
+        probs = process_logits(model(ids).logits[:, -1], params, seen).exp()  # (P, V)
+        dist = {
+            prefix + (x,): dist[prefix] * float(probs[i, x])
+            for i, prefix in enumerate(prefixes)
+            for x in probs[i].nonzero().squeeze(1).tolist()
+        }
+    return dist
+
+
+def chi_square_pvalue(samples, expected_probs):
+    """Goodness of fit of token-tuple samples to expected probabilities; cells with expected count < 5 are pooled."""
+    n = len(samples)
+    counts = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
+    for cell, prob in expected_probs.items():
+        if prob * n >= 5:
+            observed.append(counts.pop(cell, 0))
+            expected.append(prob * n)
+        else:
+            pooled_obs += counts.pop(cell, 0)
+            pooled_exp += prob * n
+    assert not counts, f"samples outside the support: {list(counts)[:5]}"
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    scale = sum(observed) / sum(expected)
+    return chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+class ArgmaxDrafter(ModelDrafter):
+    """A deterministic drafter (q one-hot, `probs=None`), the path the n-gram drafter takes, with useful drafts."""
+
+    def propose(self, ctx, k):
+        greedy_ctx = dataclasses.replace(ctx, params=dataclasses.replace(ctx.params, do_sample=False))
+        draft = super().propose(greedy_ctx, k)
+        return Draft(draft.token_ids, draft.num_tokens, None)
+
+
+class LyingDrafter(ModelDrafter):
+    """Negative control: samples from q but reports a uniform q, which breaks rejection sampling."""
+
+    def propose(self, ctx, k):
+        draft = super().propose(ctx, k)
+        return Draft(draft.token_ids, draft.num_tokens, torch.full_like(draft.probs, 1.0 / draft.probs.size(-1)))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=5, max_new_tokens=3),
+        SamplingParams(temperature=1.3, top_p=0.6, max_new_tokens=3, repetition_penalty=1.3),
+    ],
+    ids=["temp0.7-topk5", "temp1.3-topp0.6-rep1.3"],
+)
+@pytest.mark.parametrize("drafter_name", ["model", "deterministic"])
+def test_speculative_sampling_reproduces_policy_distribution(tokenizer, params, drafter_name):
+    model = peaked_model(tokenizer)
+    prompt = [11, 12, 13, 11, 12]
+    num_samples = 8000
+    # Token 1 comes from the prefill; tokens 2-3 from one speculative step (the budget leaves room for 1 draft).
+    expected = exact_sequence_distribution(model, prompt, params, length=3)
+    if drafter_name == "model":
+        drafter = ModelDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
+    else:
+        drafter = ArgmaxDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
+    engine = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=3)
+    out = engine.generate([prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234))
+    samples = [tuple(c) for c in out.completion_ids]
+    assert 0 < out.stats.num_accepted_tokens < out.stats.num_draft_tokens  # both branches exercised
+    assert chi_square_pvalue(samples, expected) > 1e-3
+
+    if drafter_name == "model":  # the test has power: a drafter that misreports q is caught
+        liar = LyingDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
+        bad = SpeculativeEngine(model, drafter=liar, num_speculative_tokens=3).generate(
+            [prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234)
+        )
+        assert chi_square_pvalue([tuple(c) for c in bad.completion_ids], expected) < 1e-6
+
+
+def test_edges(tiny_model_f64, tokenizer):
+    model = tiny_model_f64
+    prompts = random_prompts(4, model.config.vocab_size, seed=5)
+    first = hf_greedy(model, prompts[:1], max_new_tokens=1)[0][0]
+    drafter = ModelDrafter(model, model.config.vocab_size)
+    engine = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=7)
+    # EOS as the very first token.
+    out = engine.generate(prompts[:1], SamplingParams(do_sample=False, max_new_tokens=10, eos_token_ids=(first,)))
+    assert out.completion_ids == [[first]] and out.stats.num_target_forwards == 0
+    # k beyond the remaining budget, and the budget ending inside an accepted run.
+    for budget in (1, 2, 5):
+        out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=budget))
+        assert [len(c) for c in out.completion_ids] == [budget] * len(prompts)
+        assert out.completion_ids == [c[:budget] for c in hf_greedy(model, prompts, budget, min_new_tokens=budget)]
+    with pytest.raises(ValueError, match="Prompt 1 is empty"):
+        engine.generate([[5], []], SamplingParams(max_new_tokens=4))
+    too_long = [3] * model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="max_completion_length"):
+        engine.generate([too_long], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=0.0)
+
+
+def test_process_logits_matches_transformers_warpers():
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(4, 50, generator=g, dtype=torch.float64)
+    input_ids = torch.randint(0, 50, (4, 7), generator=g)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.85, min_p=0.02, repetition_penalty=1.2)
+    seen = torch.zeros(4, 50, dtype=torch.bool).scatter_(1, input_ids, True)
+    expected = logits.clone()
+    for proc in (
+        RepetitionPenaltyLogitsProcessor(1.2),
+        TemperatureLogitsWarper(0.8),
+        TopKLogitsWarper(20),
+        TopPLogitsWarper(0.85),
+        MinPLogitsWarper(0.02),
+    ):
+        expected = proc(input_ids, expected)
+    torch.testing.assert_close(process_logits(logits, params, seen), torch.log_softmax(expected, -1))
+
+
+def test_ngram_drafter_copies_from_prompt_and_siblings():
+    from trl_tlt.drafters import DraftContext
+
+    params = SamplingParams(max_new_tokens=8)
+    prompt = [5, 6, 7, 8, 9]
+    # Row 0 is ahead: its completion continues 5 6 7 8 9 -> 40 41 42; row 1 has just emitted 9.
+    sequences = [prompt + [40, 41, 42, 43], prompt + [40]]
+    ctx = DraftContext(sequences=sequences, row_ids=torch.tensor([0, 1]), group_ids=[0, 0], params=params)
+    drafter = NgramDrafter(max_n=3, min_n=1)
+    drafter.start(ctx)
+    draft = drafter.propose(ctx, k=3)
+    # Row 1's suffix (9, 40) was followed by 41 42 43 in its sibling; row 0's suffix (43) was never seen.
+    assert draft.num_tokens.tolist() == [0, 3]
+    assert draft.token_ids[1].tolist() == [41, 42, 43]
+    assert draft.probs is None
+    sequences[0].extend([5, 6])  # row 0 now repeats the prompt's start: the prompt continues it
+    draft = drafter.propose(ctx, k=2)
+    assert draft.num_tokens.tolist() == [2, 2] and draft.token_ids[0].tolist() == [7, 8]
+    with pytest.raises(ValueError, match="min_n"):
+        NgramDrafter(max_n=1, min_n=2)

@@ -1,0 +1,68 @@
+"""The drafter interface of the speculative engine.
+
+Per `generate` call the engine calls `start` once, then, at every speculative step, `propose` (k tokens per active
+row from the current state), and after verification `accept` (how many drafts each row kept). `select` follows
+whenever finished rows leave the batch. Drafters read what they need from `DraftContext`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class DraftContext:
+    """The engine's view of the active batch, shared with the drafter.
+
+    Attributes:
+        sequences: Token ids of every row of the call (prompt + completion so far, including the newest token,
+            which the policy has not consumed yet), indexed by original row id.
+        row_ids: (B,) original row id of each active row, in batch order.
+        group_ids: Group of every original row: rows with the same prompt (GRPO's siblings) share a group.
+        params: The sampling settings.
+        generator: Random generator for stochastic drafters.
+        hidden_states: The policy's hidden states from its last forward (engine-specific, for EAGLE drafters).
+    """
+
+    sequences: list[list[int]]
+    row_ids: torch.Tensor
+    group_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+
+
+@dataclass
+class Draft:
+    """k proposed tokens per active row.
+
+    Attributes:
+        token_ids: (B, k) draft token ids (entries past `num_tokens` are ignored).
+        num_tokens: (B,) number of valid drafts per row, in [0, k].
+        probs: (B, k, V) the distributions the drafts were sampled from, or None if the drafter is deterministic
+            (then q is one-hot on the draft, which keeps rejection sampling exact).
+    """
+
+    token_ids: torch.Tensor
+    num_tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+class Drafter:
+    """Base class: override `propose`; the hooks default to no-ops for stateless drafters."""
+
+    def start(self, ctx: DraftContext) -> None:
+        """A new batch begins (every row holds its prompt and its first sampled token)."""
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        raise NotImplementedError
+
+    def accept(self, ctx: DraftContext, num_accepted_tokens: torch.Tensor) -> None:
+        """After verification; `ctx.sequences` already hold the emitted tokens."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Only `rows` (indices into the current batch) stay active."""

@@ -1,0 +1,307 @@
+"""Batched, lossless speculative generation for any Hugging Face causal LM (CPU and CUDA).
+
+The engine is the contract of TRL's `_generate_single_turn`: ragged prompt ids in; completion ids (EOS kept,
+nothing after it) and the log-probability of each sampled token under the processed distribution out.
+
+One decode step, for the B active rows:
+
+    k      = speculation.choose(B)                      # 0 = plain decoding
+    drafts = drafter.propose(ctx, k)                     # (B, k) + q, per-row draft lengths
+    logits = policy([last_token, d_1..d_k])              # one forward scores all k+1 positions
+    n, x   = verify_drafts(processed(logits), drafts, q) # accept a prefix, emit a corrected/bonus token
+    cache keeps last_token, d_1..d_n;  rows emit d_1..d_n, x;  finished rows leave the batch
+
+Rows that end (EOS or budget) are dropped at once, so the long tail runs at its real batch size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from .drafters.base import DraftContext, Drafter
+from .kv_cache import RaggedKVModel
+from .sampling import SamplingParams, process_logits
+from .speculative import verify_drafts
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one `generate` call (names as in vLLM's spec-decode metrics).
+
+    `mean_acceptance_length` = 1 + num_accepted_tokens / num_drafts: tokens emitted per speculative row-step,
+    bonus included. `active_batch_sizes[i]` and `num_speculative_tokens[i]` describe decode step i.
+    """
+
+    num_prompts: int = 0
+    num_target_forwards: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    active_batch_sizes: list[int] = field(default_factory=list)
+    num_speculative_tokens: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["mean_acceptance_length"] = self.mean_acceptance_length
+        out["draft_acceptance_rate"] = self.draft_acceptance_rate
+        return out
+
+
+@dataclass
+class GenerationOutput:
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    stats: GenerationStats
+
+
+class SpeculationPolicy:
+    """Decides, before each decode step, how many tokens to draft (0 = no speculation) for the active batch size."""
+
+    def choose(self, batch_size: int) -> int:
+        raise NotImplementedError
+
+    def update(self, batch_size: int, k: int, num_emitted_tokens: int, seconds: float) -> None:
+        """Feedback after the step (for adaptive policies)."""
+
+
+class FixedSpeculation(SpeculationPolicy):
+    """The same k at every batch size."""
+
+    def __init__(self, k: int):
+        if k < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}.")
+        self.k = k
+
+    def choose(self, batch_size: int) -> int:
+        return self.k
+
+
+def group_ids_from_prompts(prompts: list[list[int]]) -> list[int]:
+    """Rows with identical prompts (GRPO's `num_generations` copies) share a group id."""
+    ids: dict[tuple[int, ...], int] = {}
+    return [ids.setdefault(tuple(p), len(ids)) for p in prompts]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeculativeEngine:
+    """Generate with a Hugging Face causal LM, speculating with `drafter`.
+
+    Args:
+        model: The policy (any causal LM with full attention), in eval mode.
+        drafter: Proposes draft tokens; None = no speculation (the engine is then a plain batched decoder that
+            drops finished rows).
+        num_speculative_tokens: k for the default fixed policy.
+        speculation: Chooses k per decode step (overrides `num_speculative_tokens`).
+        pad_token_id: Filler id for padded positions (never attended to).
+
+    Example:
+        >>> engine = SpeculativeEngine(model, drafter=NgramDrafter(), num_speculative_tokens=4)
+        >>> out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=128, eos_token_ids=(eos,)))
+        >>> out.completion_ids, out.logprobs, out.stats.mean_acceptance_length
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 4,
+        speculation: SpeculationPolicy | None = None,
+        pad_token_id: int | None = None,
+    ):
+        self.model = model
+        self.drafter = drafter
+        self.speculation = speculation or FixedSpeculation(num_speculative_tokens if drafter is not None else 0)
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (model.config.pad_token_id or 0)
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not prompts:
+            raise ValueError("`prompts` is empty: pass at least one prompt.")
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"Prompt {i} is empty: every prompt needs at least one token (e.g. a BOS token).")
+            if context is not None and len(prompt) + params.max_new_tokens > context:
+                raise ValueError(
+                    f"Prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds the "
+                    f"model's context of {context} (max_position_embeddings). Shorten the prompt (max_prompt_length) "
+                    "or lower max_new_tokens (max_completion_length)."
+                )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        group_ids: list[int] | None = None,
+    ) -> GenerationOutput:
+        """Complete every prompt. Returns completion ids, their processed logprobs and `GenerationStats`."""
+        self._check_prompts(prompts, params)
+        start = time.perf_counter()
+        device = self.model.device
+        batch = len(prompts)
+        eos = torch.tensor(params.eos_token_ids or [-1], device=device)
+        stats = GenerationStats(num_prompts=batch)
+        needs_hidden = getattr(self.drafter, "needs_hidden_states", False)
+        policy = RaggedKVModel(self.model, output_hidden_states=needs_hidden)
+
+        # Prefill and the first token (a verification with no drafts).
+        last_logits = policy.prefill(prompts, self.pad_token_id)[:, None]  # (B, 1, V)
+        vocab = last_logits.size(-1)
+        seen = None
+        if params.uses_repetition_penalty:
+            seen = torch.zeros((batch, vocab), dtype=torch.bool, device=device)
+            for row, prompt in enumerate(prompts):
+                seen[row, torch.tensor(prompt, device=device)] = True
+        sequences = [list(p) for p in prompts]
+        completions: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        ctx = DraftContext(
+            sequences=sequences,
+            row_ids=torch.arange(batch, device=device),
+            group_ids=group_ids if group_ids is not None else group_ids_from_prompts(prompts),
+            params=params,
+            generator=generator,
+        )
+        empty = torch.zeros((batch, 0), dtype=torch.long, device=device)
+        no_drafts = torch.zeros(batch, dtype=torch.long, device=device)
+        logp = process_logits(_upcast(last_logits), params, None if seen is None else seen[:, None])
+        _, next_tokens, emitted_lp = verify_drafts(logp, empty, no_drafts, None, params.do_sample, generator)
+        _sync(device)
+        stats.prefill_s = time.perf_counter() - start
+        keep = self._emit(ctx, completions, logprobs, empty, no_drafts, next_tokens, emitted_lp, seen, eos, params)
+        stats.num_emitted_tokens += batch
+        started = False
+
+        while True:
+            if not keep.all():
+                rows = keep.nonzero().squeeze(1)
+                policy.select(rows)
+                ctx.row_ids = ctx.row_ids[rows]
+                seen = None if seen is None else seen[rows]
+                if started:
+                    self.drafter.select(rows)
+            active = ctx.row_ids.numel()
+            if active == 0:
+                break
+            if self.drafter is not None and not started:
+                ctx.hidden_states = policy.hidden_states
+                self.drafter.start(ctx)
+                started = True
+
+            step_start = time.perf_counter()
+            k = self.speculation.choose(active) if self.drafter is not None else 0
+            remaining = torch.tensor(
+                [params.max_new_tokens - len(completions[r]) for r in ctx.row_ids.tolist()], device=device
+            )
+            last = torch.tensor([sequences[r][-1] for r in ctx.row_ids.tolist()], device=device)[:, None]
+            draft_probs = None
+            if k > 0:
+                draft = self.drafter.propose(ctx, k)
+                # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
+                num_drafts = torch.minimum(draft.num_tokens, remaining - 1)
+                draft_ids, draft_probs = draft.token_ids, draft.probs
+                _sync(device)
+                stats.draft_s += time.perf_counter() - step_start
+            else:
+                draft_ids = torch.zeros((active, 0), dtype=torch.long, device=device)
+                num_drafts = torch.zeros(active, dtype=torch.long, device=device)
+
+            verify_start = time.perf_counter()
+            valid = torch.arange(k + 1, device=device)[None, :] < (num_drafts + 1)[:, None]  # (B, k+1)
+            lengths_before = policy.lengths
+            logits = policy.extend(torch.cat([last, draft_ids], dim=1), valid)  # (B, k+1, V)
+            step_seen = None if seen is None else _seen_per_position(seen, draft_ids)
+            logp = process_logits(_upcast(logits), params, step_seen)
+            num_accepted, next_tokens, emitted_lp = verify_drafts(
+                logp, draft_ids, num_drafts, draft_probs, params.do_sample, generator
+            )
+            policy.truncate(lengths_before + 1 + num_accepted)
+            ctx.hidden_states = policy.hidden_states
+            keep = self._emit(
+                ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params
+            )
+            if k > 0:
+                self.drafter.accept(ctx, num_accepted)
+            stats.verify_s += time.perf_counter() - verify_start
+
+            emitted = int(num_accepted.sum()) + active
+            stats.num_target_forwards += 1
+            stats.num_emitted_tokens += emitted
+            stats.active_batch_sizes.append(active)
+            stats.num_speculative_tokens.append(k)
+            if k > 0:
+                drafted = num_drafts > 0
+                stats.num_drafts += int(drafted.sum())
+                stats.num_draft_tokens += int(num_drafts.sum())
+                stats.num_accepted_tokens += int(num_accepted.sum())
+                per_pos = torch.bincount(num_accepted, minlength=k + 1).flip(0).cumsum(0).flip(0)[1:]
+                if len(stats.num_accepted_tokens_per_pos) < k:
+                    stats.num_accepted_tokens_per_pos += [0] * (k - len(stats.num_accepted_tokens_per_pos))
+                for j, count in enumerate(per_pos.tolist()):
+                    stats.num_accepted_tokens_per_pos[j] += count
+            self.speculation.update(active, k, emitted, time.perf_counter() - step_start)
+
+        stats.total_s = time.perf_counter() - start
+        return GenerationOutput(completion_ids=completions, logprobs=logprobs, stats=stats)
+
+    @staticmethod
+    def _emit(ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params):
+        """Append each active row's d_1..d_n, x (cut after the first EOS); returns the mask of rows still going."""
+        # (B, k+1): accepted drafts, then the next token at index n.
+        tokens = torch.cat([draft_ids, next_tokens[:, None]], dim=1).scatter(
+            1, num_accepted[:, None], next_tokens[:, None]
+        )
+        counts = num_accepted + 1
+        is_eos = torch.isin(tokens, eos) & (torch.arange(tokens.size(1), device=tokens.device)[None] < counts[:, None])
+        first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, counts)
+        counts = torch.minimum(counts, first_eos)
+        if seen is not None:
+            keep_pos = torch.arange(tokens.size(1), device=tokens.device)[None] < counts[:, None]
+            seen.scatter_(1, torch.where(keep_pos, tokens, tokens[:, :1]), True)
+        tokens_l, counts_l, lp_l = tokens.tolist(), counts.tolist(), emitted_lp.tolist()
+        ended = is_eos.any(1).tolist()
+        keep = []
+        for i, row in enumerate(ctx.row_ids.tolist()):
+            new = tokens_l[i][: counts_l[i]]
+            ctx.sequences[row].extend(new)
+            completions[row].extend(new)
+            logprobs[row].extend(lp_l[i][: counts_l[i]])
+            keep.append(not ended[i] and len(completions[row]) < params.max_new_tokens)
+        return torch.tensor(keep, dtype=torch.bool, device=num_accepted.device)
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Process logits in float32 at least (float64 models stay float64)."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def _seen_per_position(seen: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """(B, k+1, V): tokens seen before position j = context plus drafts d_1..d_{j-1} (for the repetition penalty)."""
+    batch, k = draft_ids.shape
+    out = seen[:, None, :].repeat(1, k + 1, 1)
+    for j in range(k):
+        out[:, j + 1 :].scatter_(2, draft_ids[:, j, None, None].expand(batch, k - j, 1), True)
+    return out

@@ -1,0 +1,114 @@
+"""A Hugging Face causal LM with a batched KV cache in which every row keeps its own valid positions.
+
+Speculative decoding appends k+1 positions per row per step but keeps only 1 + accepted of them, a different
+number in each row. Instead of moving the cache, rejected positions become holes: masked out in the 2-D
+attention mask, skipped by the position ids (a row's position id = number of valid tokens before it). So the
+model sees exactly the same tokens at the same positions as plain decoding. When holes pile up the cache is
+compacted with one gather, and finished rows are dropped with `select` so the tail runs at its real width.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+class RaggedKVModel:
+    """Runs `model` over ragged batches, keeping a `DynamicCache` with per-row holes.
+
+    Args:
+        model: Any Hugging Face causal LM with full attention (sliding-window caches are rejected).
+        output_hidden_states: Return the hidden states of every layer from `extend` (for EAGLE drafters).
+
+    Example:
+        >>> runner = RaggedKVModel(model)
+        >>> last_logits = runner.prefill([[1, 2, 3], [4, 5]])          # (2, V)
+        >>> logits = runner.extend(torch.tensor([[6, 7], [8, 0]]), torch.tensor([[1, 1], [1, 0]]).bool())
+        >>> runner.truncate(runner.lengths - 1)                          # drop the last valid token of each row
+    """
+
+    def __init__(self, model: PreTrainedModel, output_hidden_states: bool = False):
+        self.model = model
+        self.output_hidden_states = output_hidden_states
+        self.device = model.device
+        self.cache: DynamicCache | None = None
+        self.attention_mask: torch.Tensor | None = None  # (B, T) bool, True = valid position
+        self.lengths: torch.Tensor | None = None  # (B,) valid tokens per row
+        self.hidden_states: tuple[torch.Tensor, ...] | None = None
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int = 0):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=self.attention_mask.long(),
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=self.output_hidden_states,
+        )
+        self.cache = out.past_key_values
+        self.hidden_states = out.hidden_states if self.output_hidden_states else None
+        for layer in self.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise NotImplementedError(
+                    f"{type(self.model).__name__} uses a {type(layer).__name__} cache; the speculative engine supports "
+                    "full-attention models only. Generate without trl-tlt's engine for this model."
+                )
+        return out.logits
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], pad_token_id: int = 0) -> torch.Tensor:
+        """Start a batch from ragged prompts (left-padded, as `generate` does). Returns last-position logits (B, V)."""
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = True
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        self.cache = DynamicCache(config=self.model.config)
+        self.attention_mask = mask
+        self.lengths = mask.sum(dim=1)
+        position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        return self._forward(input_ids, position_ids, logits_to_keep=1)[:, -1]
+
+    @torch.no_grad()
+    def extend(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Append n positions to every row; `valid` (B, n) marks real tokens (a valid prefix per row).
+
+        Returns logits (B, n, V); rows' invalid positions produce garbage logits and become holes.
+        """
+        position_ids = self.lengths[:, None] + valid.long().cumsum(dim=1) - 1  # (B, n)
+        position_ids = position_ids.clamp(min=0)
+        self.attention_mask = torch.cat([self.attention_mask, valid], dim=1)
+        self.lengths = self.lengths + valid.sum(dim=1)
+        return self._forward(input_ids, position_ids)
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Keep only the first `lengths[b]` valid tokens of each row (the rest become holes)."""
+        count = self.attention_mask.long().cumsum(dim=1)
+        self.attention_mask = self.attention_mask & (count <= lengths[:, None])
+        self.lengths = torch.minimum(self.lengths, lengths)
+        self._maybe_compact()
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices into the current batch), e.g. to drop finished sequences."""
+        self.cache.batch_select_indices(rows)
+        self.attention_mask = self.attention_mask[rows]
+        self.lengths = self.lengths[rows]
+        self._maybe_compact()
+
+    def _maybe_compact(self, min_holes: int = 32) -> None:
+        """Gather every row's valid positions to the front once holes make up over a third of the cache."""
+        total = self.attention_mask.size(1)
+        longest = int(self.lengths.max()) if self.lengths.numel() else 0
+        if total - longest < max(min_holes, total // 3):
+            return
+        # Stable sort puts each row's valid positions first, in order.
+        order = torch.sort((~self.attention_mask).to(torch.int8), dim=1, stable=True).indices[:, :longest]  # (B, T')
+        for layer in self.cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.size(1), -1, layer.keys.size(-1))
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        self.attention_mask = torch.arange(longest, device=self.device)[None, :] < self.lengths[:, None]

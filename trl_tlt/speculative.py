@@ -1,0 +1,90 @@
+"""Speculative verification: accept a prefix of each row's draft and emit one corrected or bonus token.
+
+Leviathan et al. 2023, Chen et al. 2023. For row b with draft tokens d_1..d_L (L = num_draft_tokens[b] <= k),
+draft distributions q_j and target (processed) distributions p_j, j = 1..L+1:
+
+    accept d_j  iff  u_j * q_j(d_j) <= p_j(d_j),  u_j ~ U(0, 1)       (probability min(1, p_j / q_j))
+    n = number of leading accepted drafts
+    n < L:  emit x ~ norm(max(p_{n+1} - q_{n+1}, 0))                   (corrected token)
+    n = L:  emit x ~ p_{L+1}                                            (bonus token)
+
+The emitted tokens d_1..d_n, x are then distributed exactly as n+1 tokens sampled from p one by one.
+A deterministic drafter (n-gram) has q_j = onehot(d_j): acceptance probability p_j(d_j), and the residual is
+p_{n+1} with d_{n+1} removed. Greedy decoding accepts d_j iff d_j = argmax p_j and emits argmax p_{n+1}.
+
+This is the torch reference; it is also the speculation-off path (k = 0: every row emits one token from p_1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def verify_drafts(
+    target_logprobs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    do_sample: bool,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verify a batch of drafts against the target.
+
+    Args:
+        target_logprobs: (B, k+1, V) processed target log-probabilities at the k+1 verified positions.
+        draft_token_ids: (B, k) proposed tokens (entries at j >= num_draft_tokens[b] are ignored).
+        num_draft_tokens: (B,) number of valid drafts per row, in [0, k].
+        draft_probs: (B, k, V) draft distributions q_j, or None for a deterministic drafter (one-hot q).
+        do_sample: False = greedy verification.
+        generator: Random generator for the uniforms and the final sample.
+
+    Returns:
+        num_accepted_tokens (B,), next_token_ids (B,) (the corrected or bonus token), and
+        emitted_logprobs (B, k+1): log p_j of d_1..d_n then of the next token at index n (the rest is garbage).
+    """
+    batch, k_plus_1, vocab = target_logprobs.shape
+    k = k_plus_1 - 1
+    device = target_logprobs.device
+    positions = torch.arange(k, device=device)
+    valid = positions[None, :] < num_draft_tokens[:, None]  # (B, k)
+    drafts = draft_token_ids.clamp(min=0)
+
+    if do_sample:
+        target_probs = target_logprobs.exp()  # (B, k+1, V)
+        p_draft = target_probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # (B, k)
+        if draft_probs is None:
+            q_draft = torch.ones_like(p_draft)
+        else:
+            q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
+        uniform = torch.rand((batch, k), generator=generator, device=device, dtype=p_draft.dtype)
+        accepted = (uniform * q_draft <= p_draft) & valid
+    else:
+        accepted = (target_logprobs[:, :k].argmax(dim=-1) == drafts) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # (B,)
+
+    # Distribution of the next token at index n: residual if a draft was rejected there, else p (bonus).
+    index = num_accepted[:, None, None].expand(batch, 1, vocab)
+    next_logprobs = target_logprobs.gather(1, index).squeeze(1)  # (B, V)
+    if do_sample:
+        next_probs = next_logprobs.exp()
+        rejected = num_accepted < num_draft_tokens  # (B,)
+        if rejected.any():
+            at = num_accepted.clamp(max=max(k - 1, 0))
+            if draft_probs is None:
+                q_next = torch.zeros_like(next_probs).scatter_(-1, drafts.gather(1, at[:, None]), 1.0)
+            else:
+                q_next = draft_probs.gather(1, at[:, None, None].expand(batch, 1, vocab)).squeeze(1)
+            residual = (next_probs - q_next).clamp(min=0)
+            # A rejection implies p != q, so the residual has mass; guard against round-off all the same.
+            residual_ok = residual.sum(-1, keepdim=True) > 0
+            residual = torch.where(residual_ok, residual, next_probs)
+            next_probs = torch.where(rejected[:, None], residual, next_probs)
+        next_tokens = torch.multinomial(next_probs, 1, generator=generator).squeeze(1)
+    else:
+        next_tokens = next_logprobs.argmax(dim=-1)
+
+    # Log-probabilities of the emitted tokens under the (unmodified) processed target distribution.
+    emitted = torch.cat([drafts, next_tokens[:, None]], dim=1)  # (B, k+1)
+    emitted = emitted.scatter(1, num_accepted[:, None], next_tokens[:, None])
+    emitted_logprobs = target_logprobs.gather(-1, emitted[..., None]).squeeze(-1)
+    return num_accepted, next_tokens, emitted_logprobs
