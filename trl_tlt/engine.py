@@ -33,7 +33,8 @@ class GenerationStats:
     """Counters of one `generate` call (names as in vLLM's spec-decode metrics).
 
     `mean_acceptance_length` = 1 + num_accepted_tokens / num_drafts: tokens emitted per speculative row-step,
-    bonus included. `active_batch_sizes[i]` and `num_speculative_tokens[i]` describe decode step i.
+    bonus included. `active_batch_sizes[i]`, `num_speculative_tokens[i]` and `drafter_names[i]` describe decode
+    step i.
     """
 
     num_prompts: int = 0
@@ -45,6 +46,7 @@ class GenerationStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     active_batch_sizes: list[int] = field(default_factory=list)
     num_speculative_tokens: list[int] = field(default_factory=list)
+    drafter_names: list[str | None] = field(default_factory=list)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -72,26 +74,30 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-class SpeculationPolicy:
-    """Decides, before each decode step, how many tokens to draft (0 = no speculation) for the active batch size."""
+# A speculation arm: (drafter name, k); (None, 0) = no speculation.
+Arm = tuple[str | None, int]
 
-    def choose(self, batch_size: int) -> int:
+
+class SpeculationPolicy:
+    """Decides, before each decode step, which drafter drafts how many tokens for the active batch size."""
+
+    def choose(self, batch_size: int) -> Arm:
         raise NotImplementedError
 
-    def update(self, batch_size: int, k: int, num_emitted_tokens: int, seconds: float) -> None:
+    def update(self, batch_size: int, arm: Arm, num_emitted_tokens: int, seconds: float) -> None:
         """Feedback after the step (for adaptive policies)."""
 
 
 class FixedSpeculation(SpeculationPolicy):
-    """The same k at every batch size."""
+    """The same drafter and k at every batch size (k = 0: no speculation)."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, drafter: str | None = None):
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}.")
-        self.k = k
+        self.arm: Arm = (drafter, k) if k > 0 else (None, 0)
 
-    def choose(self, batch_size: int) -> int:
-        return self.k
+    def choose(self, batch_size: int) -> Arm:
+        return self.arm
 
 
 def group_ids_from_prompts(prompts: list[list[int]]) -> list[int]:
@@ -110,10 +116,10 @@ class SpeculativeEngine:
 
     Args:
         model: The policy (any causal LM with full attention), in eval mode.
-        drafter: Proposes draft tokens; None = no speculation (the engine is then a plain batched decoder that
-            drops finished rows).
-        num_speculative_tokens: k for the default fixed policy.
-        speculation: Chooses k per decode step (overrides `num_speculative_tokens`).
+        drafter: Proposes draft tokens: one `Drafter`, or several by name for an adaptive `speculation` policy;
+            None = no speculation (the engine is then a plain batched decoder that drops finished rows).
+        num_speculative_tokens: k for the default fixed policy (single drafter).
+        speculation: Chooses (drafter name, k) per decode step (overrides `num_speculative_tokens`).
         pad_token_id: Filler id for padded positions (never attended to).
 
     Example:
@@ -125,14 +131,24 @@ class SpeculativeEngine:
     def __init__(
         self,
         model: PreTrainedModel,
-        drafter: Drafter | None = None,
+        drafter: Drafter | dict[str, Drafter] | None = None,
         num_speculative_tokens: int = 4,
         speculation: SpeculationPolicy | None = None,
         pad_token_id: int | None = None,
     ):
         self.model = model
-        self.drafter = drafter
-        self.speculation = speculation or FixedSpeculation(num_speculative_tokens if drafter is not None else 0)
+        if drafter is None:
+            self.drafters: dict[str, Drafter] = {}
+        elif isinstance(drafter, Drafter):
+            self.drafters = {"default": drafter}
+        else:
+            self.drafters = dict(drafter)
+        if speculation is None:
+            if len(self.drafters) > 1:
+                raise ValueError("Several drafters need a `speculation` policy (e.g. BanditSpeculation) to choose.")
+            name = next(iter(self.drafters), None)
+            speculation = FixedSpeculation(num_speculative_tokens if name else 0, name)
+        self.speculation = speculation
         self.pad_token_id = pad_token_id if pad_token_id is not None else (model.config.pad_token_id or 0)
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -164,7 +180,7 @@ class SpeculativeEngine:
         batch = len(prompts)
         eos = torch.tensor(params.eos_token_ids or [-1], device=device)
         stats = GenerationStats(num_prompts=batch)
-        needs_hidden = getattr(self.drafter, "needs_hidden_states", False)
+        needs_hidden = any(getattr(d, "needs_hidden_states", False) for d in self.drafters.values())
         policy = RaggedKVModel(self.model, output_hidden_states=needs_hidden)
 
         # Prefill and the first token (a verification with no drafts).
@@ -193,7 +209,7 @@ class SpeculativeEngine:
         stats.prefill_s = time.perf_counter() - start
         keep = self._emit(ctx, completions, logprobs, empty, no_drafts, next_tokens, emitted_lp, seen, eos, params)
         stats.num_emitted_tokens += batch
-        started = False
+        started: dict[str, Drafter] = {}  # drafters are started lazily, at their first use
 
         while True:
             if not keep.all():
@@ -201,25 +217,28 @@ class SpeculativeEngine:
                 policy.select(rows)
                 ctx.row_ids = ctx.row_ids[rows]
                 seen = None if seen is None else seen[rows]
-                if started:
-                    self.drafter.select(rows)
+                for drafter in started.values():
+                    drafter.select(rows)
             active = ctx.row_ids.numel()
             if active == 0:
                 break
-            if self.drafter is not None and not started:
-                ctx.hidden_states = policy.hidden_states
-                self.drafter.start(ctx)
-                started = True
 
             step_start = time.perf_counter()
-            k = self.speculation.choose(active) if self.drafter is not None else 0
+            arm = self.speculation.choose(active)
+            name, k = arm
+            if k > 0 and name not in started:
+                if name not in self.drafters:
+                    raise ValueError(f"The speculation policy chose drafter {name!r}; known: {sorted(self.drafters)}.")
+                ctx.hidden_states = policy.hidden_states
+                self.drafters[name].start(ctx)
+                started[name] = self.drafters[name]
             remaining = torch.tensor(
                 [params.max_new_tokens - len(completions[r]) for r in ctx.row_ids.tolist()], device=device
             )
             last = torch.tensor([sequences[r][-1] for r in ctx.row_ids.tolist()], device=device)[:, None]
             draft_probs = None
             if k > 0:
-                draft = self.drafter.propose(ctx, k)
+                draft = started[name].propose(ctx, k)
                 # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
                 num_drafts = torch.minimum(draft.num_tokens, remaining - 1)
                 draft_ids, draft_probs = draft.token_ids, draft.probs
@@ -244,7 +263,7 @@ class SpeculativeEngine:
                 ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params
             )
             if k > 0:
-                self.drafter.accept(ctx, num_accepted)
+                started[name].accept(ctx, num_accepted)
             stats.verify_s += time.perf_counter() - verify_start
 
             emitted = int(num_accepted.sum()) + active
@@ -252,6 +271,7 @@ class SpeculativeEngine:
             stats.num_emitted_tokens += emitted
             stats.active_batch_sizes.append(active)
             stats.num_speculative_tokens.append(k)
+            stats.drafter_names.append(name)
             if k > 0:
                 drafted = num_drafts > 0
                 stats.num_drafts += int(drafted.sum())
@@ -262,7 +282,7 @@ class SpeculativeEngine:
                     stats.num_accepted_tokens_per_pos += [0] * (k - len(stats.num_accepted_tokens_per_pos))
                 for j, count in enumerate(per_pos.tolist()):
                     stats.num_accepted_tokens_per_pos[j] += count
-            self.speculation.update(active, k, emitted, time.perf_counter() - step_start)
+            self.speculation.update(active, arm, emitted, time.perf_counter() - step_start)
 
         stats.total_s = time.perf_counter() - start
         return GenerationOutput(completion_ids=completions, logprobs=logprobs, stats=stats)

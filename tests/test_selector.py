@@ -1,0 +1,52 @@
+"""The bandit finds the best arm of every batch-size bucket of a simulated cost model, and forgets."""
+
+import pytest
+
+from trl_tlt.selector import BanditSpeculation, batch_size_bucket
+from trl_tlt.selector_sim import CostModel, simulate
+
+
+ARMS = [("ngram", k) for k in (1, 2, 3, 4, 6, 8)]
+BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_buckets():
+    assert [batch_size_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+def near_best(cost, bucket, arm, arms, tol=0.03):
+    best = cost.rate(bucket, cost.oracle_arm(bucket, arms))
+    return cost.rate(bucket, arm) >= (1 - tol) * best
+
+
+def test_bandit_finds_best_arm_per_bucket():
+    cost = CostModel()
+    selector = BanditSpeculation(arms=ARMS, epsilon=0.1, seed=0)
+    all_arms = selector.arms
+    # The oracle's choice differs across buckets (otherwise the test proves little).
+    oracle = {b: cost.oracle_arm(b, all_arms) for b in BATCH_SIZES}
+    assert len(set(oracle.values())) >= 3
+    steps = 200 * len(BATCH_SIZES)  # ~200 decode steps per bucket
+    report = simulate(selector, cost, all_arms, BATCH_SIZES, steps=steps, seed=1)
+    best = selector.best_arms()
+    for b in BATCH_SIZES:
+        assert near_best(cost, b, best[b], all_arms), (b, best[b], oracle[b])
+    # Regret against the oracle (time spent beyond the oracle's for the same tokens), exploration included.
+    assert report["time_regret"] < 0.15, report
+
+
+def test_bandit_forgets_when_the_drafter_changes():
+    cost = CostModel(alpha=0.9)
+    selector = BanditSpeculation(arms=ARMS, epsilon=0.1, decay=0.1, seed=0)
+    simulate(selector, cost, selector.arms, [2], steps=300, seed=2)
+    assert selector.best_arms()[2][1] >= 4  # a good drafter: speculate far
+    cost.alpha = 0.05  # the drafter went stale: speculation no longer pays
+    simulate(selector, cost, selector.arms, [2], steps=300, seed=3)
+    assert selector.best_arms()[2] == (None, 0)
+
+
+def test_bandit_validation():
+    with pytest.raises(ValueError, match="epsilon"):
+        BanditSpeculation(arms=ARMS, epsilon=2.0)
+    with pytest.raises(ValueError, match="decay"):
+        BanditSpeculation(arms=ARMS, decay=0.0)

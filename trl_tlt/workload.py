@@ -1,0 +1,377 @@
+"""The embedded workload: long-tailed repeated addition, a verifiable reasoning task with a policy built offline.
+
+A problem asks to add a number to a start value n times; the solution writes one numbered line per addition,
+then states the answer after `####`::
+
+    user:      Start at 7, add 13, 4 times
+    assistant: 1: 7+13=20
+               2: 20+13=33
+               3: 33+13=46
+               4: 46+13=59
+               #### 59
+
+The number of additions is heavy-tailed (most problems need 1-3, a few up to 30), so solution lengths are
+long-tailed like reasoning RL: a few rollouts run 10-20x longer than the median. The reward is 1 for a correct
+final answer. The policy is a Qwen2-architecture model (8 decoder layers, ~2.5M parameters) trained by SFT on
+generated solutions with TRL's `SFTTrainer`, cached on disk under a key derived from the recipe.
+
+Run `python -m trl_tlt.workload` to build (or load) the policy and print its length distribution and accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import Dataset
+
+
+ANSWER_RE = re.compile(r"####\s*(-?\d+)")
+# Mixture over the number of additions: (probability, min, max), uniform within a range.
+DEFAULT_STEP_MIXTURE = ((0.62, 1, 3), (0.28, 4, 8), (0.08, 9, 18), (0.02, 19, 30))
+# SFT sees mostly short problems: the skills (copy the operands, add, count lines) are the same at every length,
+# and short examples give more optimizer steps per second of CPU.
+SFT_STEP_MIXTURE = ((0.85, 1, 4), (0.10, 5, 12), (0.05, 13, 30))
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The repeated-addition task.
+
+    Args:
+        step_mixture: Mixture over the number of additions: tuples (probability, min, max).
+        max_operand: Start value and addend are drawn from 1..max_operand.
+    """
+
+    step_mixture: tuple[tuple[float, int, int], ...] = DEFAULT_STEP_MIXTURE
+    max_operand: int = 99
+
+    def sample_problem(self, rng: random.Random) -> tuple[int, int, int]:
+        """(start, addend, number of additions)."""
+        weights = [w for w, _, _ in self.step_mixture]
+        _, low, high = rng.choices(self.step_mixture, weights=weights)[0]
+        return rng.randint(1, self.max_operand), rng.randint(1, self.max_operand), rng.randint(low, high)
+
+
+def format_question(start: int, addend: int, times: int) -> str:
+    return f"Start at {start}, add {addend}, {times} times"
+
+
+def format_solution(start: int, addend: int, times: int) -> str:
+    lines, total = [], start
+    for i in range(1, times + 1):
+        lines.append(f"{i}: {total}+{addend}={total + addend}")
+        total += addend
+    return "\n".join(lines) + f"\n#### {total}"
+
+
+def make_dataset(num_problems: int, seed: int = 0, task: TaskConfig | None = None, with_solutions: bool = False):
+    """A `datasets.Dataset` of conversational prompts with an `answer` column (and `completion` for SFT)."""
+    task = task or TaskConfig()
+    rng = random.Random(seed)
+    rows = {"prompt": [], "answer": [], "num_steps": []}
+    if with_solutions:
+        rows["completion"] = []
+    for _ in range(num_problems):
+        start, addend, times = task.sample_problem(rng)
+        rows["prompt"].append([{"role": "user", "content": format_question(start, addend, times)}])
+        rows["answer"].append(str(start + addend * times))
+        rows["num_steps"].append(times)
+        if with_solutions:
+            rows["completion"].append([{"role": "assistant", "content": format_solution(start, addend, times)}])
+    return Dataset.from_dict(rows)
+
+
+def _completion_text(completion) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def accuracy_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 if the completion's `#### N` equals the answer, else 0.0 (GRPOTrainer `reward_funcs` form)."""
+    rewards = []
+    for completion, expected in zip(completions, answer, strict=True):
+        match = ANSWER_RE.search(_completion_text(completion))
+        rewards.append(1.0 if match and match.group(1) == str(expected) else 0.0)
+    return rewards
+
+
+@dataclass(frozen=True)
+class PolicyRecipe:
+    """Everything that determines the embedded policy; its hash is the cache key.
+
+    Args:
+        task: The task RL trains on.
+        sft_task: The task the SFT data is drawn from (same problems, shorter on average).
+        seed: Seeds the data, the initialisation and training.
+        vocab_size: BPE vocabulary size of the tokenizer.
+        hidden_size, num_hidden_layers, num_attention_heads, intermediate_size: Qwen2 dimensions (head_dim 32).
+        num_sft_examples: SFT problems generated.
+        sft_batch_size, sft_learning_rate: SFT schedule (one pass, AdamW, cosine).
+    """
+
+    task: TaskConfig = TaskConfig()
+    sft_task: TaskConfig = TaskConfig(step_mixture=SFT_STEP_MIXTURE)
+    seed: int = 0
+    vocab_size: int = 400
+    hidden_size: int = 128
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 4
+    intermediate_size: int = 512
+    num_sft_examples: int = 40000
+    sft_batch_size: int = 32
+    sft_learning_rate: float = 1e-3
+
+    def key(self) -> str:
+        payload = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """`$TRL_TLT_CACHE`, else `$XDG_CACHE_HOME/trl_tlt`, else `~/.cache/trl_tlt`."""
+    if "TRL_TLT_CACHE" in os.environ:
+        return Path(os.environ["TRL_TLT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_tlt"
+
+
+def sft_dataset(recipe: PolicyRecipe) -> Dataset:
+    """The SFT data of the recipe (prompt/completion conversations); also the warm-start data for drafters."""
+    return make_dataset(recipe.num_sft_examples, seed=recipe.seed + 1, task=recipe.sft_task, with_solutions=True)
+
+
+def build_policy_tokenizer(recipe: PolicyRecipe):
+    """A BPE tokenizer trained on the recipe's SFT texts."""
+    from .tiny import build_tokenizer
+
+    data = sft_dataset(recipe)
+    corpus = [p[0]["content"] + "\n" + c[0]["content"] for p, c in zip(data["prompt"], data["completion"])][:5000]
+    return build_tokenizer(corpus, vocab_size=recipe.vocab_size)
+
+
+def encode_sft_example(tokenizer, prompt, completion) -> tuple[list[int], list[int]]:
+    """(input ids, labels): the chat-rendered prompt, then the completion and EOS; prompt labels are -100."""
+    prompt_ids = prompt_token_ids(tokenizer, [prompt])[0]
+    completion_ids = tokenizer(completion[-1]["content"], add_special_tokens=False)["input_ids"]
+    completion_ids = completion_ids + [tokenizer.eos_token_id]
+    return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
+
+
+def train_sft(model, tokenizer, dataset: Dataset, recipe: PolicyRecipe, verbose: bool = True):
+    """Completion-only SFT on CPU: AdamW (beta2 0.95), linear warm-up, cosine decay, gradient clipping 1.0.
+
+    A plain loop rather than `trl.SFTTrainer`: on this task and budget, SFTTrainer with its default optimizer
+    settings stayed at the format-only loss plateau (~1.4 nats/token after 1000 steps) where this loop reaches
+    ~0.2 in 500 steps; the loop also keeps the build deterministic and within its CPU budget.
+    """
+    import math
+
+    import torch
+
+    generator = torch.Generator().manual_seed(recipe.seed)
+    order = torch.randperm(len(dataset), generator=generator).tolist()
+    batch_size = recipe.sft_batch_size
+    num_steps = math.ceil(len(order) / batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.sft_learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = min(100, num_steps // 10)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(num_steps - warmup, 1)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    start, running = time.perf_counter(), []
+    for step in range(num_steps):
+        rows = dataset[order[step * batch_size : (step + 1) * batch_size]]
+        examples = [encode_sft_example(tokenizer, p, c) for p, c in zip(rows["prompt"], rows["completion"])]
+        width = max(len(ids) for ids, _ in examples)
+        input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in examples])
+        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in examples])
+        attention_mask = (labels != -100) | (
+            torch.arange(width)[None] < torch.tensor([len(i) for i, _ in examples])[:, None]
+        )
+        loss = model(input_ids=input_ids, attention_mask=attention_mask.long(), labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        running.append(loss.item())
+        if verbose and ((step + 1) % 200 == 0 or step + 1 == num_steps):
+            print(
+                f"  sft step {step + 1}/{num_steps}  loss {sum(running) / len(running):.3f}  "
+                f"{time.perf_counter() - start:.0f}s",
+                flush=True,
+            )
+            running = []
+    return model.eval()
+
+
+def _build_sft_model(path: Path, tokenizer, num_hidden_layers: int, recipe: PolicyRecipe, verbose: bool) -> Path:
+    """Train a Qwen2 model of the recipe's width with `num_hidden_layers` by SFT and save it atomically at `path`."""
+    import torch
+
+    from .tiny import build_tiny_model
+
+    start = time.perf_counter()
+    torch.manual_seed(recipe.seed)
+    model = build_tiny_model(
+        tokenizer,
+        arch="qwen2",
+        hidden_size=recipe.hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=recipe.num_attention_heads,
+        intermediate_size=recipe.intermediate_size,
+        max_position_embeddings=1024,
+        seed=recipe.seed,
+    )
+    if verbose:
+        n = sum(p.numel() for p in model.parameters())
+        print(f"training {path.name} ({n / 1e6:.2f}M parameters, {num_hidden_layers} layers) by SFT ...", flush=True)
+    tmp = path.with_name(path.name + ".tmp")
+    model = train_sft(model, tokenizer, sft_dataset(recipe), recipe, verbose)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+    tmp.rename(path)  # atomic: a half-built model is never picked up
+    if verbose:
+        print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
+    return path
+
+
+def build_policy(
+    recipe: PolicyRecipe | None = None, cache_dir: str | Path | None = None, verbose: bool = True
+) -> Path:
+    """Build the embedded policy (tokenizer + SFT model) or reuse the cached one. Returns its directory."""
+    recipe = recipe or PolicyRecipe()
+    path = Path(cache_dir or default_cache_dir()) / f"policy-{recipe.key()}"
+    if (path / "config.json").exists():
+        return path
+    return _build_sft_model(path, build_policy_tokenizer(recipe), recipe.num_hidden_layers, recipe, verbose)
+
+
+def build_draft_lm(
+    recipe: PolicyRecipe | None = None,
+    cache_dir: str | Path | None = None,
+    num_hidden_layers: int = 1,
+    verbose: bool = True,
+) -> Path:
+    """A small LM drafter warm-started on the policy's SFT data, with the policy's tokenizer (cached)."""
+    from transformers import AutoTokenizer
+
+    recipe = recipe or PolicyRecipe()
+    policy_path = build_policy(recipe, cache_dir, verbose)
+    path = policy_path.parent / f"draft-lm-{recipe.key()}-L{num_hidden_layers}"
+    if (path / "config.json").exists():
+        return path
+    return _build_sft_model(path, AutoTokenizer.from_pretrained(policy_path), num_hidden_layers, recipe, verbose)
+
+
+def prompt_token_ids(tokenizer, prompts) -> list[list[int]]:
+    """Token ids of conversational prompts, rendered with the chat template as `GRPOTrainer` does."""
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def evaluate_policy(
+    model,
+    tokenizer,
+    dataset: Dataset,
+    num_generations: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 512,
+    seed: int = 0,
+    prompts_per_batch: int = 8,
+) -> dict:
+    """Sample `num_generations` completions per problem with the engine; accuracy and length statistics."""
+    import numpy as np
+    import torch
+
+    from .engine import SpeculativeEngine
+    from .sampling import SamplingParams
+
+    engine = SpeculativeEngine(model, pad_token_id=tokenizer.pad_token_id)
+    params = SamplingParams(
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else 1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=(tokenizer.eos_token_id,),
+    )
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    lengths, rewards = [], []
+    for begin in range(0, len(dataset), prompts_per_batch):
+        batch = dataset[begin : begin + prompts_per_batch]
+        ids = [p for p in prompt_token_ids(tokenizer, batch["prompt"]) for _ in range(num_generations)]
+        out = engine.generate(ids, params, generator=generator)
+        texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        answers = [a for a in batch["answer"] for _ in range(num_generations)]
+        rewards += accuracy_reward(texts, answers)
+        lengths += [len(c) for c in out.completion_ids]
+    lengths_arr = np.array(lengths)
+    median = float(np.median(lengths_arr))
+    return {
+        "num_problems": len(dataset),
+        "num_generations": num_generations,
+        "temperature": temperature,
+        "accuracy": float(np.mean(rewards)),
+        "length_median": median,
+        "length_p99": float(np.percentile(lengths_arr, 99)),
+        "length_max": int(lengths_arr.max()),
+        "p99_over_median": float(np.percentile(lengths_arr, 99) / median),
+        "max_over_median": float(lengths_arr.max() / median),
+        "clipped_fraction": float(np.mean(lengths_arr >= max_new_tokens)),
+        "lengths": lengths,
+    }
+
+
+def plot_lengths(lengths: list[int], path: str | Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.hist(lengths, bins=60, log=True, color="tab:blue")
+    for q, style in ((50, "-"), (99, "--")):
+        ax.axvline(np.percentile(lengths, q), color="k", linestyle=style, label=f"p{q}")
+    ax.set_xlabel("completion length (tokens)")
+    ax.set_ylabel("count (log)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    import argparse
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    parser = argparse.ArgumentParser(description="Build (or load) the embedded policy and describe it.")
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--num-problems", type=int, default=64)
+    parser.add_argument("--plot", default=None, help="Write the length histogram to this PNG.")
+    args = parser.parse_args()
+    path = build_policy(cache_dir=args.cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eval_set = make_dataset(args.num_problems, seed=12345)
+    stats = evaluate_policy(model, tokenizer, eval_set)
+    print(json.dumps({k: v for k, v in stats.items() if k != "lengths"}, indent=2))
+    if args.plot:
+        plot_lengths(stats["lengths"], args.plot, "Embedded policy: completion lengths (T=1, 8 per problem)")
+
+
+if __name__ == "__main__":
+    main()
