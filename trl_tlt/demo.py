@@ -1,6 +1,10 @@
-"""The main job (`make demo`): a smoke run of the stock GRPO loop on a tiny model built offline.
+"""The main job (`make demo`): GRPO with TLTGRPOTrainer on the embedded workload, built offline.
 
-Run with `python -m trl_tlt.demo [--output-dir DIR]`. It needs no download.
+Builds (or reuses from the cache) the embedded SFT policy of `trl_tlt.workload`, then runs a short GRPO run with
+`TLTGRPOTrainer` (n-gram drafter, bandit selector) and prints a per-step table: reward, rollout seconds, acceptance
+length, speculated fraction. Nothing is downloaded.
+
+    python -m trl_tlt.demo [--steps 10] [--output-dir DIR]
 """
 
 import argparse
@@ -10,43 +14,68 @@ import tempfile
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=10, help="GRPO steps (8 prompts x 8 samples each).")
     parser.add_argument("--output-dir", default=None, help="Where to write the run (default: a temporary folder).")
-    parser.add_argument("--max-steps", type=int, default=2)
+    parser.add_argument(
+        "--cache-dir", default=None, help="Policy cache (default: $TRL_TLT_CACHE or ~/.cache/trl_tlt)."
+    )
     args = parser.parse_args()
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")
 
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from trl_tlt.tiny import build_tiny_model, build_tokenizer
+    from trl_tlt import TLTConfig, TLTGRPOTrainer
+    from trl_tlt.workload import accuracy_reward, build_policy, make_dataset
 
+    policy_path = build_policy(cache_dir=args.cache_dir)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="trl-tlt-demo-")
-    tokenizer = build_tokenizer(["1+2=3\n3+4=7\n#### 7"] * 50, vocab_size=300)
-    model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=2)
-    dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
-
-    def reward_short(completions, **kwargs):
-        return [-float(len(c)) for c in completions]
-
-    config = GRPOConfig(
+    config = TLTConfig(
         output_dir=output_dir,
         use_cpu=True,
         bf16=False,
         gradient_checkpointing=False,
         report_to="none",
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=16,
-        max_steps=args.max_steps,
+        per_device_train_batch_size=64,
+        num_generations=8,
+        max_completion_length=512,
+        max_steps=args.steps,
+        learning_rate=2e-4,
         logging_steps=1,
         save_strategy="no",
+        disable_tqdm=True,
+        drafter_type="ngram",
     )
-    trainer = GRPOTrainer(
-        model=model, reward_funcs=reward_short, args=config, train_dataset=dataset, processing_class=tokenizer
+
+    columns = ("step", "reward", "rollout s", "step s", "accept len", "spec frac", "active bs")
+
+    class Table(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            print("".join(f"{c:>12}" for c in columns), flush=True)
+
+        def on_log(self, _args, state, _control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                values = (
+                    state.global_step,
+                    logs["reward"],
+                    logs["tlt/rollout_seconds"],
+                    logs["step_time"],
+                    logs["tlt/mean_acceptance_length"],
+                    logs["tlt/speculated_fraction"],
+                    logs["tlt/mean_active_batch_size"],
+                )
+                print("".join(f"{v:>12.3f}" if isinstance(v, float) else f"{v:>12}" for v in values), flush=True)
+
+    trainer = TLTGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(policy_path),
+        reward_funcs=accuracy_reward,
+        args=config,
+        train_dataset=make_dataset(8 * args.steps, seed=2024),
+        processing_class=AutoTokenizer.from_pretrained(policy_path, padding_side="left"),
+        callbacks=[Table()],
     )
     trainer.train()
-    print(f"demo finished: {trainer.state.global_step} GRPO steps, output in {output_dir}")
+    print(f"demo finished: {trainer.state.global_step} GRPO steps with TLT; run in {output_dir}")
 
 
 if __name__ == "__main__":

@@ -173,10 +173,19 @@ def train_sft(model, tokenizer, dataset: Dataset, recipe: PolicyRecipe, verbose:
 
     import torch
 
-    generator = torch.Generator().manual_seed(recipe.seed)
-    order = torch.randperm(len(dataset), generator=generator).tolist()
+    # Length-grouped batches: lengths are long-tailed, and one long example would pad its whole batch. Shuffle,
+    # sort windows of 64 batches by length (`num_steps`), cut into batches, shuffle the batches.
+    rng = random.Random(recipe.seed)
     batch_size = recipe.sft_batch_size
-    num_steps = math.ceil(len(order) / batch_size)
+    order = list(range(len(dataset)))
+    rng.shuffle(order)
+    window, lengths = 64 * batch_size, dataset["num_steps"]
+    batches = []
+    for begin in range(0, len(order), window):
+        chunk = sorted(order[begin : begin + window], key=lambda i: lengths[i])
+        batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    num_steps = len(batches)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.sft_learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = min(100, num_steps // 10)
 
@@ -190,7 +199,7 @@ def train_sft(model, tokenizer, dataset: Dataset, recipe: PolicyRecipe, verbose:
     model.train()
     start, running = time.perf_counter(), []
     for step in range(num_steps):
-        rows = dataset[order[step * batch_size : (step + 1) * batch_size]]
+        rows = dataset[batches[step]]
         examples = [encode_sft_example(tokenizer, p, c) for p, c in zip(rows["prompt"], rows["completion"])]
         width = max(len(ids) for ids, _ in examples)
         input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in examples])

@@ -1,0 +1,178 @@
+"""End-to-end benchmark: TRL's `GRPOTrainer` vs `TLTGRPOTrainer` on the embedded workload, same seeds and machine.
+
+For each seed both trainers start from the same SFT policy and train on the same prompts, run back to back
+(the order alternates between seeds). Per step it records the reward, the step time (TRL's `step_time`: rollout
++ scoring + training) and the rollout time; after training, the accuracy of the trained policy on held-out
+problems (temperature 1, 4 samples each). Writes JSON with `step_time_ratio` (GRPO / TLT), `rollout_time_ratio`,
+`reward_grpo`, `reward_tlt` (mean reward per step, averaged over seeds) and the per-seed details.
+
+    python scripts/bench_e2e.py --steps 30 --seeds 0,1 --output docs/benchmarks/e2e_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
+from trl_tlt.workload import accuracy_reward, build_policy, evaluate_policy, make_dataset  # noqa: E402
+
+
+def timed(trainer_cls):
+    """The trainer with its rollout (`_generate_single_turn`) timed into `rollout_times`."""
+
+    class Timed(trainer_cls):
+        rollout_times: list[float]
+
+        def _generate_single_turn(self, *args, **kwargs):
+            start = time.perf_counter()
+            out = super()._generate_single_turn(*args, **kwargs)
+            self.rollout_times.append(time.perf_counter() - start)
+            return out
+
+    Timed.__name__ = trainer_cls.__name__
+    return Timed
+
+
+def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
+    common = dict(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        per_device_train_batch_size=args.num_prompts * args.num_generations,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        temperature=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        seed=seed,
+        disable_tqdm=True,
+    )
+    if name == "grpo":
+        trainer_cls, config = timed(GRPOTrainer), GRPOConfig(**common)
+    else:
+        trainer_cls, config = timed(TLTGRPOTrainer), TLTConfig(**common, drafter_type=args.drafter_type)
+    model = AutoModelForCausalLM.from_pretrained(policy_path)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    train_set = make_dataset(args.num_prompts * args.steps, seed=100 + seed)
+    trainer = trainer_cls(
+        model=model, reward_funcs=accuracy_reward, args=config, train_dataset=train_set, processing_class=tokenizer
+    )
+    trainer.rollout_times = []
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    result = {
+        "reward": [h["reward"] for h in logs],
+        "step_time": [h["step_time"] for h in logs],
+        "rollout_time": trainer.rollout_times,
+        "train_wall_seconds": wall,
+    }
+    if name == "tlt":
+        result["mean_acceptance_length"] = [h.get("tlt/mean_acceptance_length") for h in logs]
+        result["speculated_fraction"] = [h.get("tlt/speculated_fraction") for h in logs]
+    if args.eval_problems:
+        torch.manual_seed(seed)
+        stats = evaluate_policy(
+            trainer.model.eval(), tokenizer, make_dataset(args.eval_problems, seed=777), num_generations=4, seed=seed
+        )
+        result["eval_accuracy_after"] = stats["accuracy"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--trainers", default="grpo,tlt")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=512)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--drafter-type", default="ngram")
+    parser.add_argument("--eval-problems", type=int, default=64)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+
+    policy_path = build_policy(cache_dir=args.cache_dir)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    names = args.trainers.split(",")
+    runs: dict[str, dict[int, dict]] = {n: {} for n in names}
+    before = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, seed in enumerate(seeds):
+            if args.eval_problems:
+                model = AutoModelForCausalLM.from_pretrained(policy_path).eval()
+                tokenizer = AutoTokenizer.from_pretrained(policy_path)
+                before[seed] = evaluate_policy(
+                    model, tokenizer, make_dataset(args.eval_problems, seed=777), num_generations=4, seed=seed
+                )["accuracy"]
+            for name in names if i % 2 == 0 else names[::-1]:
+                print(f"== seed {seed}: {name} ==", flush=True)
+                runs[name][seed] = run(name, policy_path, seed, args, os.path.join(tmp, f"{name}-{seed}"))
+                r = runs[name][seed]
+                print(
+                    f"   median step {statistics.median(r['step_time']):.2f}s, rollout "
+                    f"{statistics.median(r['rollout_time']):.2f}s, reward first 5 steps "
+                    f"{statistics.mean(r['reward'][:5]):.3f}, last 5 {statistics.mean(r['reward'][-5:]):.3f}"
+                    + (f", eval accuracy {before[seed]:.3f} -> {r['eval_accuracy_after']:.3f}" if before else ""),
+                    flush=True,
+                )
+
+    def pooled(name, key):
+        return statistics.median([t for seed in seeds for t in runs[name][seed][key]])
+
+    def mean_curve(name):
+        return [statistics.mean(vals) for vals in zip(*(runs[name][s]["reward"] for s in seeds))]
+
+    result = {
+        "benchmark": "e2e",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads",
+        "policy": policy_path.name,
+        "steps": args.steps,
+        "seeds": seeds,
+        "batch": f"{args.num_prompts} prompts x {args.num_generations} generations",
+        "max_completion_length": args.max_completion_length,
+        "learning_rate": args.learning_rate,
+        "eval_accuracy_before": before,
+        "runs": runs,
+    }
+    for name in names:
+        result[f"median_step_time_{name}"] = pooled(name, "step_time")
+        result[f"median_rollout_time_{name}"] = pooled(name, "rollout_time")
+        result[f"rollout_share_{name}"] = sum(t for s in seeds for t in runs[name][s]["rollout_time"]) / sum(
+            t for s in seeds for t in runs[name][s]["step_time"]
+        )
+        result[f"reward_{name}"] = mean_curve(name)
+    if {"grpo", "tlt"} <= set(names):
+        result["step_time_ratio"] = result["median_step_time_grpo"] / result["median_step_time_tlt"]
+        result["rollout_time_ratio"] = result["median_rollout_time_grpo"] / result["median_rollout_time_tlt"]
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

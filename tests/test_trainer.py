@@ -1,0 +1,148 @@
+"""TLTGRPOTrainer is a drop-in GRPOTrainer: same constructor, same results (greedy), tlt/ metrics, clear errors."""
+
+import inspect
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_tlt import TLTConfig, TLTGRPOTrainer
+
+
+PROMPTS = ["12+34=", "The quick", "1 2 3", "hello world"]
+
+
+def reward_len(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def config_kwargs(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def train_one_step(trainer_cls, config_cls, model_dir, tmp_path, **overrides):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    args = config_cls(**config_kwargs(tmp_path, **overrides))
+    trainer = trainer_cls(
+        model=model, reward_funcs=reward_len, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2})
+    )
+    trainer.train()
+    return trainer
+
+
+def test_private_hooks_we_override_still_exist():
+    params = list(inspect.signature(GRPOTrainer._generate_single_turn).parameters)
+    assert params == ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"]
+    assert hasattr(GRPOTrainer, "_generate_and_score_completions")
+    trainer_src = inspect.getsource(GRPOTrainer.__init__)
+    for attribute in ("self.generation_config", "self.generation_kwargs", "self._dist", "self.use_vllm"):
+        assert attribute in trainer_src or attribute in inspect.getsource(GRPOTrainer), attribute
+
+
+@pytest.mark.parametrize("drafter_type", ["ngram", "none", "model"])
+def test_trains_one_step_with_tlt_metrics(tiny_model_dirs, tmp_path, drafter_type):
+    extra = {"drafter_model_name_or_path": tiny_model_dirs["llama"]} if drafter_type == "model" else {}
+    trainer = train_one_step(
+        TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, drafter_type=drafter_type, **extra
+    )
+    assert trainer.state.global_step == 1
+    logged = trainer.state.log_history[0]
+    for key in ("tlt/mean_acceptance_length", "tlt/speculated_fraction", "tlt/rollout_seconds"):
+        assert key in logged, key
+    stats = trainer.tlt_last_stats
+    assert stats.num_prompts == 8
+    if drafter_type == "none":
+        assert stats.num_drafts == 0 and logged["tlt/speculated_fraction"] == 0
+
+
+def test_same_completions_as_grpo_trainer_greedy(tiny_model_dirs, tmp_path):
+    """Greedy rollouts (speculating with a drafter) are token-identical to GRPOTrainer's, so training is identical."""
+    seen = {"grpo": [], "tlt": []}
+
+    def recorder(name):
+        def reward(completions, **kwargs):
+            seen[name].extend(completions)
+            return [float(len(c)) for c in completions]
+
+        return reward
+
+    results = {}
+    for name, trainer_cls, config_cls, extra in (
+        ("grpo", GRPOTrainer, GRPOConfig, {}),
+        (
+            "tlt",
+            TLTGRPOTrainer,
+            TLTConfig,
+            dict(
+                drafter_type="model",
+                drafter_model_name_or_path=tiny_model_dirs["llama"],
+                speculative_selector="fixed",
+                num_speculative_tokens=3,
+            ),
+        ),
+    ):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
+        args = config_cls(**config_kwargs(tmp_path / name, generation_kwargs={"do_sample": False}, **extra))
+        trainer = trainer_cls(
+            model=model,
+            reward_funcs=recorder(name),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        )
+        trainer.train()
+        results[name] = trainer
+    assert results["tlt"].tlt_last_stats.num_draft_tokens > 0
+    assert seen["tlt"] == seen["grpo"] and len(seen["tlt"]) == 8
+    for (name, p_base), (_, p_tlt) in zip(
+        results["grpo"].model.named_parameters(), results["tlt"].model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p_tlt, p_base, msg=name)
+
+
+def test_plain_grpo_config_gets_tlt_defaults(tiny_model_dirs, tmp_path):
+    trainer = train_one_step(TLTGRPOTrainer, GRPOConfig, tiny_model_dirs["qwen2"], tmp_path)
+    assert isinstance(trainer.args, TLTConfig)
+    assert trainer.args.drafter_type == "ngram" and trainer.args.speculative_selector == "bandit"
+
+
+def test_config_errors_name_the_field(tmp_path):
+    base = config_kwargs(tmp_path)
+    with pytest.raises(ValueError, match="drafter_type"):
+        TLTConfig(**base, drafter_type="medusa")
+    with pytest.raises(ValueError, match="drafter_model_name_or_path"):
+        TLTConfig(**base, drafter_type="model")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        TLTConfig(**base, num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_selector"):
+        TLTConfig(**base, speculative_selector="greedy")
+    with pytest.raises(ValueError, match="spot_training"):
+        TLTConfig(**base, spot_training=True)
+
+
+def test_unsupported_generation_kwargs_are_rejected(tiny_model_dirs, tmp_path):
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        train_one_step(
+            TLTGRPOTrainer,
+            TLTConfig,
+            tiny_model_dirs["qwen2"],
+            tmp_path,
+            generation_kwargs={"no_repeat_ngram_size": 3},
+        )

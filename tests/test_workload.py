@@ -1,0 +1,54 @@
+"""The embedded workload: deterministic data, a correct verifier, long-tailed solution lengths, cache keys."""
+
+import dataclasses
+
+import numpy as np
+
+from trl_tlt.workload import (
+    PolicyRecipe,
+    TaskConfig,
+    accuracy_reward,
+    evaluate_policy,
+    format_solution,
+    make_dataset,
+)
+
+
+def test_solution_format_and_answer():
+    assert format_solution(7, 13, 3) == "1: 7+13=20\n2: 20+13=33\n3: 33+13=46\n#### 46"
+
+
+def test_dataset_is_deterministic_and_answers_are_right():
+    a, b = make_dataset(50, seed=3, with_solutions=True), make_dataset(50, seed=3, with_solutions=True)
+    assert a.to_dict() == b.to_dict()
+    assert make_dataset(50, seed=4).to_dict() != make_dataset(50, seed=3).to_dict()
+    for row in a:
+        assert accuracy_reward([row["completion"]], [row["answer"]]) == [1.0]
+
+
+def test_reward_function():
+    completions = ["1: 1+2=3\n#### 3", "#### 4", "no answer", [{"role": "assistant", "content": "x\n#### 12"}]]
+    assert accuracy_reward(completions, ["3", "3", "3", "12"]) == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_task_lengths_are_long_tailed():
+    lengths = np.array([len(format_solution(1, 1, n)) for n in make_dataset(4000, seed=0)["num_steps"]])
+    median = np.median(lengths)
+    assert np.percentile(lengths, 99) / median >= 5
+    assert lengths.max() / median >= 10
+
+
+def test_recipe_key_tracks_every_field():
+    recipe = PolicyRecipe()
+    assert recipe.key() == PolicyRecipe().key()
+    assert dataclasses.replace(recipe, seed=1).key() != recipe.key()
+    assert dataclasses.replace(recipe, task=TaskConfig(max_operand=9)).key() != recipe.key()
+
+
+def test_evaluate_policy_plumbing(tokenizer):
+    from trl_tlt.tiny import build_tiny_model
+
+    model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=1)
+    stats = evaluate_policy(model, tokenizer, make_dataset(3, seed=0), num_generations=2, max_new_tokens=8)
+    assert stats["num_problems"] == 3 and len(stats["lengths"]) == 6
+    assert 0.0 <= stats["accuracy"] <= 1.0 and stats["length_max"] <= 8

@@ -1,0 +1,170 @@
+"""`TLTGRPOTrainer`: TRL's `GRPOTrainer` with rollouts from trl-tlt's lossless speculative engine.
+
+Wiring only: the transformers generation branch of `GRPOTrainer._generate_single_turn` is replaced by
+`SpeculativeEngine.generate` inside the same unwrap / no_grad / summon_full_params context (so DeepSpeed ZeRO-3
+and FSDP keep working); vLLM and continuous batching go to the parent unchanged. The completions are distributed
+exactly as the parent's, so training is unchanged; only rollout time drops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+from trl import GRPOConfig, GRPOTrainer
+from trl.extras.profiling import profiling_context
+from trl.models import unwrap_model_for_generation
+
+from .config import TLTConfig
+from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .engine import FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine
+from .sampling import SamplingParams
+from .selector import BanditSpeculation
+
+
+# GenerationConfig attributes the engine reproduces exactly; any other non-default setting is rejected.
+_SUPPORTED_GENERATION_KEYS = {
+    "max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "pad_token_id", "bos_token_id", "eos_token_id", "cache_implementation", "disable_compile",
+}  # fmt: skip
+
+
+def _tlt_config(args: GRPOConfig) -> TLTConfig:
+    """A plain `GRPOConfig` gets TLT's defaults (its own, already validated, values are kept as they are)."""
+    if isinstance(args, TLTConfig):
+        return args
+    config = TLTConfig.__new__(TLTConfig)
+    config.__dict__.update(args.__dict__)
+    for f in dataclasses.fields(TLTConfig):
+        if f.name not in args.__dict__:
+            setattr(config, f.name, f.default)
+    return config
+
+
+class TLTGRPOTrainer(GRPOTrainer):
+    """Drop-in `GRPOTrainer` whose transformers rollouts use lossless speculative decoding.
+
+    Same constructor as [`~trl.GRPOTrainer`]; `args` may be a [`TLTConfig`] or a plain `GRPOConfig` (TLT defaults).
+
+    Example:
+        >>> from trl_tlt import TLTConfig, TLTGRPOTrainer
+        >>> trainer = TLTGRPOTrainer(model=model, reward_funcs=reward, args=TLTConfig(output_dir="out"), train_dataset=ds)
+        >>> trainer.train()
+    """
+
+    _tag_names = ["trl", "grpo", "trl-tlt"]
+
+    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, *pargs, **kwargs):
+        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self.args: TLTConfig = _tlt_config(self.args)
+        if self.args.use_transformers_continuous_batching:
+            raise ValueError(
+                "TLTGRPOTrainer generates with its speculative engine; `use_transformers_continuous_batching=True` "
+                "would bypass it. Set use_transformers_continuous_batching=False (or use GRPOTrainer)."
+            )
+        if not self.use_vllm:
+            self._check_generation_kwargs(self.generation_kwargs)
+        self.tlt_drafter = self._build_drafter()
+        self.tlt_speculation = self._build_speculation()
+        self.tlt_last_stats: GenerationStats | None = None
+        self._tlt_generator = torch.Generator(device=self.accelerator.device).manual_seed(self.args.seed)
+
+    # ----------------------------------------------------------------------------------------- set-up
+    def _check_generation_kwargs(self, generation_kwargs: dict) -> None:
+        default = GenerationConfig()
+        unsupported = [
+            key
+            for key, value in generation_kwargs.items()
+            if key not in _SUPPORTED_GENERATION_KEYS and value is not None and value != getattr(default, key, None)
+        ]
+        if unsupported:
+            raise ValueError(
+                f"TLTGRPOTrainer's engine cannot reproduce the generation settings {sorted(unsupported)} exactly; "
+                "remove them from `generation_kwargs` (supported: do_sample, temperature, top_p, top_k, min_p, "
+                "repetition_penalty, max_new_tokens, eos_token_id) or use GRPOTrainer."
+            )
+
+    def _build_drafter(self) -> Drafter | None:
+        kind = self.args.drafter_type
+        if kind == "none":
+            return None
+        if kind == "ngram":
+            return NgramDrafter()
+        drafter_lm = AutoModelForCausalLM.from_pretrained(self.args.drafter_model_name_or_path)
+        drafter_lm.to(self.accelerator.device)
+        vocab_size = self.model.config.get_text_config().vocab_size
+        return ModelDrafter(drafter_lm, vocab_size)
+
+    def _build_speculation(self) -> SpeculationPolicy:
+        if self.tlt_drafter is None:
+            return FixedSpeculation(0)
+        k_max = self.args.num_speculative_tokens
+        if self.args.speculative_selector == "fixed":
+            return FixedSpeculation(k_max, "default")
+        arms = [("default", k) for k in (1, 2, 3, 4, 6, 8) if k <= k_max] + [("default", k_max)]
+        return BanditSpeculation(arms=arms, epsilon=self.args.selector_epsilon, seed=self.args.seed)
+
+    def _sampling_params(self) -> SamplingParams:
+        config = self.generation_config
+        eos = config.eos_token_id
+        eos = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        return SamplingParams(
+            do_sample=bool(config.do_sample),
+            temperature=config.temperature if config.temperature is not None else 1.0,
+            top_k=config.top_k or None,
+            top_p=config.top_p if config.top_p is not None else 1.0,
+            min_p=config.min_p or None,
+            repetition_penalty=config.repetition_penalty if config.repetition_penalty is not None else 1.0,
+            max_new_tokens=config.max_new_tokens,
+            eos_token_ids=eos,
+        )
+
+    # ------------------------------------------------------------------------------------- generation
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.use_vllm or images is not None or multimodal_fields:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        with (
+            profiling_context(self, "tlt.generate"),
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            was_training = unwrapped_model.training
+            unwrapped_model.eval()
+            engine = SpeculativeEngine(
+                unwrapped_model,
+                drafter=self.tlt_drafter,
+                speculation=self.tlt_speculation,
+                pad_token_id=self._tokenizer.pad_token_id,
+            )
+            out = engine.generate(prompt_ids, self._sampling_params(), generator=self._tlt_generator)
+            unwrapped_model.train(was_training)
+        self._log_rollout_stats(out.stats)
+        # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
+        return out.completion_ids, None
+
+    def _log_rollout_stats(self, stats: GenerationStats) -> None:
+        self.tlt_last_stats = stats
+        mode = "train" if self.model.training else "eval"
+        steps = max(len(stats.active_batch_sizes), 1)
+        speculated = sum(1 for k in stats.num_speculative_tokens if k > 0)
+        metrics = {
+            "tlt/mean_acceptance_length": stats.mean_acceptance_length,
+            "tlt/draft_acceptance_rate": stats.draft_acceptance_rate,
+            "tlt/speculated_fraction": speculated / steps,
+            "tlt/num_decode_steps": float(len(stats.active_batch_sizes)),
+            "tlt/rollout_seconds": stats.total_s,
+            "tlt/rollout_tokens_per_second": stats.num_emitted_tokens / max(stats.total_s, 1e-9),
+            "tlt/mean_active_batch_size": sum(stats.active_batch_sizes) / steps,
+        }
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(value)
