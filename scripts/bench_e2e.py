@@ -54,7 +54,10 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
         bf16=False,
         gradient_checkpointing=False,
         report_to="none",
-        per_device_train_batch_size=args.num_prompts * args.num_generations,
+        # One generation of prompts x generations per optimizer step, trained in micro-batches of one prompt's
+        # group: each micro-batch is padded to its own longest completion, not to the long tail's.
+        per_device_train_batch_size=args.num_generations,
+        gradient_accumulation_steps=args.num_prompts,
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         max_steps=args.steps,
@@ -106,7 +109,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=512)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--learning-rate", type=float, default=5e-5)
     parser.add_argument("--drafter-type", default="ngram")
     parser.add_argument("--eval-problems", type=int, default=64)
     parser.add_argument("--cache-dir", default=None)

@@ -287,3 +287,19 @@ def test_ngram_drafter_copies_from_prompt_and_siblings():
     assert draft.num_tokens.tolist() == [2, 2] and draft.token_ids[0].tolist() == [7, 8]
     with pytest.raises(ValueError, match="min_n"):
         NgramDrafter(max_n=1, min_n=2)
+
+
+def test_bandit_over_several_drafters_stays_lossless(tiny_model_f64, tokenizer):
+    from trl_tlt.selector import BanditSpeculation
+
+    model = tiny_model_f64
+    prompts = random_prompts(6, model.config.vocab_size, seed=9) * 2
+    expected = hf_greedy(model, prompts, max_new_tokens=20)
+    drafters = {"ngram": make_drafter("ngram", model, tokenizer), "lm": make_drafter("model", model, tokenizer)}
+    selector = BanditSpeculation(arms=[("ngram", 2), ("lm", 1), ("lm", 3)], epsilon=0.5, seed=0)
+    engine = SpeculativeEngine(model, drafter=drafters, speculation=selector)
+    out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=20, eos_token_ids=(EOS,)))
+    assert out.completion_ids == expected
+    assert {"ngram", "lm", None} <= set(out.stats.drafter_names)  # every kind of arm was played
+    with pytest.raises(ValueError, match="speculation"):
+        SpeculativeEngine(model, drafter=drafters)

@@ -68,7 +68,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         self.tlt_drafter = self._build_drafter()
         self.tlt_speculation = self._build_speculation()
         self.tlt_last_stats: GenerationStats | None = None
-        self._tlt_generator = torch.Generator(device=self.accelerator.device).manual_seed(self.args.seed)
+        # One stream per rank: ranks sample different prompts, but their noise must not be correlated either.
+        seed = self.args.seed + self.accelerator.process_index
+        self._tlt_generator = torch.Generator(device=self.accelerator.device).manual_seed(seed)
 
     # ----------------------------------------------------------------------------------------- set-up
     def _check_generation_kwargs(self, generation_kwargs: dict) -> None:

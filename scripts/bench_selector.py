@@ -1,0 +1,91 @@
+"""Adaptive speculation vs every fixed arm, on the embedded workload, in one process.
+
+Sweeps fixed arms (speculation off; n-gram with k in {1, 2, 4}; the 1-layer draft LM with k in {1, 2, 3, 4, 6})
+and the bandit over all of them, on the same GRPO-like batches (8 prompts x 8 samples, temperature 1). The bandit
+keeps its state across batches, as it does across RL steps; it is warmed up on `--warmup` batches that are not
+timed. Reports total rollout time per method over the timed batches and the adaptive / best-fixed ratio.
+
+    python scripts/bench_selector.py --output docs/benchmarks/selector_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from trl_tlt.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from trl_tlt.engine import FixedSpeculation, SpeculativeEngine  # noqa: E402
+from trl_tlt.sampling import SamplingParams  # noqa: E402
+from trl_tlt.selector import BanditSpeculation  # noqa: E402
+from trl_tlt.workload import build_draft_lm, build_policy, make_dataset, prompt_token_ids  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", type=int, default=6, help="timed batches of 8 prompts x 8 samples")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed batches the bandit learns on first")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the timed batches")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+
+    policy_path, draft_path = build_policy(), build_draft_lm()
+    model = AutoModelForCausalLM.from_pretrained(policy_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    drafters = {
+        "ngram": NgramDrafter(max_n=4, min_n=2),
+        "lm": ModelDrafter(AutoModelForCausalLM.from_pretrained(draft_path).eval(), model.config.vocab_size),
+    }
+    params = SamplingParams(temperature=1.0, max_new_tokens=512, eos_token_ids=(tokenizer.eos_token_id,))
+    arms = [("ngram", k) for k in (1, 2, 4)] + [("lm", k) for k in (1, 2, 3, 4, 6)]
+    fixed = {"off": FixedSpeculation(0)} | {f"{d}:k={k}": FixedSpeculation(k, d) for d, k in arms}
+    bandit = BanditSpeculation(arms=arms, epsilon=0.1, seed=0)
+
+    def batch(i):
+        data = make_dataset(8, seed=5000 + i)
+        return [p for p in prompt_token_ids(tokenizer, data["prompt"]) for _ in range(8)]
+
+    for i in range(args.warmup):
+        SpeculativeEngine(model, drafter=drafters, speculation=bandit).generate(batch(-1 - i), params)
+
+    totals = {name: 0.0 for name in [*fixed, "bandit"]}
+    for _ in range(args.rounds):
+        for i in range(args.batches):
+            prompts = batch(i)
+            for name in totals:  # interleaved: every method sees the same prompts back to back
+                policy = bandit if name == "bandit" else fixed[name]
+                engine = SpeculativeEngine(model, drafter=drafters, speculation=policy)
+                start = time.perf_counter()
+                engine.generate(prompts, params, generator=torch.Generator().manual_seed(i))
+                totals[name] += time.perf_counter() - start
+    best_fixed = min((t, n) for n, t in totals.items() if n != "bandit")
+    result = {
+        "benchmark": "selector",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "workload": f"embedded policy {policy_path.name}, 8 prompts x 8 samples, temperature 1, "
+        f"{args.batches} batches x {args.rounds} rounds (bandit warmed up on {args.warmup} batches)",
+        "total_seconds": totals,
+        "best_fixed_arm": best_fixed[1],
+        "adaptive_over_best_fixed": totals["bandit"] / best_fixed[0],
+        "bandit_best_arms": {str(b): list(a) for b, a in bandit.best_arms().items()},
+    }
+    for name, seconds in sorted(totals.items(), key=lambda x: x[1]):
+        print(f"{name:<12}{seconds:8.2f}s")
+    print(f"adaptive / best fixed ({best_fixed[1]}): {result['adaptive_over_best_fixed']:.3f}")
+    print("bandit's arms per bucket:", result["bandit_best_arms"])
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
