@@ -52,3 +52,22 @@ def test_evaluate_policy_plumbing(tokenizer):
     stats = evaluate_policy(model, tokenizer, make_dataset(3, seed=0), num_generations=2, max_new_tokens=8)
     assert stats["num_problems"] == 3 and len(stats["lengths"]) == 6
     assert 0.0 <= stats["accuracy"] <= 1.0 and stats["length_max"] <= 8
+
+
+def test_build_policy_caches_under_the_recipe_key(tmp_path, capsys):
+    from trl_tlt.workload import build_draft_lm, build_policy
+
+    recipe = PolicyRecipe(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_sft_examples=64
+    )
+    path = build_policy(recipe, cache_dir=tmp_path)
+    assert path.name == f"policy-{recipe.key()}" and (path / "config.json").exists()
+    assert not list(tmp_path.glob("*.tmp"))  # built in a temporary folder, renamed when complete
+    capsys.readouterr()
+    assert build_policy(recipe, cache_dir=tmp_path) == path
+    assert "training" not in capsys.readouterr().out  # the second call reuses the cache
+    draft = build_draft_lm(recipe, cache_dir=tmp_path)
+    assert draft.name == f"draft-lm-{recipe.key()}-L1"
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(draft).num_hidden_layers == 1

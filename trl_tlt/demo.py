@@ -24,6 +24,7 @@ def main() -> None:
         os.environ.setdefault(var, "1")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
 
     from trl_tlt import TLTConfig, TLTGRPOTrainer
     from trl_tlt.workload import accuracy_reward, build_policy, make_dataset
@@ -75,6 +76,7 @@ def main() -> None:
         processing_class=AutoTokenizer.from_pretrained(policy_path, padding_side="left"),
         callbacks=[Table()],
     )
+    trainer.remove_callback(PrinterCallback)  # the table above replaces the raw log dicts
     trainer.train()
     print(f"demo finished: {trainer.state.global_step} GRPO steps with TLT; run in {output_dir}")
 

@@ -369,17 +369,19 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description="Build (or load) the embedded policy and describe it.")
     parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--num-problems", type=int, default=64)
+    parser.add_argument("--num-problems", type=int, default=256)
+    parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--plot", default=None, help="Write the length histogram to this PNG.")
     args = parser.parse_args()
     path = build_policy(cache_dir=args.cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     eval_set = make_dataset(args.num_problems, seed=12345)
-    stats = evaluate_policy(model, tokenizer, eval_set)
+    stats = evaluate_policy(model, tokenizer, eval_set, num_generations=args.num_generations)
     print(json.dumps({k: v for k, v in stats.items() if k != "lengths"}, indent=2))
     if args.plot:
-        plot_lengths(stats["lengths"], args.plot, "Embedded policy: completion lengths (T=1, 8 per problem)")
+        title = f"Embedded policy: completion lengths ({args.num_problems} problems x {args.num_generations}, T=1)"
+        plot_lengths(stats["lengths"], args.plot, title)
 
 
 if __name__ == "__main__":
