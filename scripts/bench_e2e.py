@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
-from trl_tlt.workload import accuracy_reward, build_policy, evaluate_policy, make_dataset  # noqa: E402
+from trl_tlt.workload import accuracy_reward, build_draft_lm, build_policy, evaluate_policy, make_dataset  # noqa: E402
 
 
 def timed(trainer_cls):
@@ -71,7 +71,9 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
     if name == "grpo":
         trainer_cls, config = timed(GRPOTrainer), GRPOConfig(**common)
     else:
-        trainer_cls, config = timed(TLTGRPOTrainer), TLTConfig(**common, drafter_type=args.drafter_type)
+        drafter = {"drafter_model_name_or_path": str(build_draft_lm())} if args.drafter_type == "model" else {}
+        trainer_cls = timed(TLTGRPOTrainer)
+        config = TLTConfig(**common, drafter_type=args.drafter_type, **drafter)
     model = AutoModelForCausalLM.from_pretrained(policy_path)
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     train_set = make_dataset(args.num_prompts * args.steps, seed=100 + seed)
@@ -110,7 +112,9 @@ def main() -> None:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=512)
     parser.add_argument("--learning-rate", type=float, default=5e-5)
-    parser.add_argument("--drafter-type", default="ngram")
+    parser.add_argument(
+        "--drafter-type", default="model", help="TLT drafter: model (the 1-layer draft LM), ngram, none"
+    )
     parser.add_argument("--eval-problems", type=int, default=64)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--output", default=None)
