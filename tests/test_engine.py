@@ -303,3 +303,16 @@ def test_bandit_over_several_drafters_stays_lossless(tiny_model_f64, tokenizer):
     assert {"ngram", "lm", None} <= set(out.stats.drafter_names)  # every kind of arm was played
     with pytest.raises(ValueError, match="speculation"):
         SpeculativeEngine(model, drafter=drafters)
+
+
+def test_emitted_token_count_matches_completions(tiny_model_f64, tokenizer):
+    model = tiny_model_f64
+    prompts = random_prompts(6, model.config.vocab_size, seed=4)
+    first = hf_greedy(model, prompts, max_new_tokens=3)
+    eos = tuple({c[1] for c in first})  # an EOS inside accepted runs for some rows
+    drafter = ModelDrafter(model, model.config.vocab_size)
+    out = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=4).generate(
+        prompts, SamplingParams(do_sample=False, max_new_tokens=12, eos_token_ids=eos)
+    )
+    # Tokens an accepted run held after EOS are not emitted, and not counted.
+    assert out.stats.num_emitted_tokens == sum(len(c) for c in out.completion_ids)

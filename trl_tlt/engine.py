@@ -207,8 +207,10 @@ class SpeculativeEngine:
         _, next_tokens, emitted_lp = verify_drafts(logp, empty, no_drafts, None, params.do_sample, generator)
         _sync(device)
         stats.prefill_s = time.perf_counter() - start
-        keep = self._emit(ctx, completions, logprobs, empty, no_drafts, next_tokens, emitted_lp, seen, eos, params)
-        stats.num_emitted_tokens += batch
+        keep, num_emitted = self._emit(
+            ctx, completions, logprobs, empty, no_drafts, next_tokens, emitted_lp, seen, eos, params
+        )
+        stats.num_emitted_tokens += num_emitted
         started: dict[str, Drafter] = {}  # drafters are started lazily, at their first use
 
         while True:
@@ -259,14 +261,13 @@ class SpeculativeEngine:
             )
             policy.truncate(lengths_before + 1 + num_accepted)
             ctx.hidden_states = policy.hidden_states
-            keep = self._emit(
+            keep, emitted = self._emit(
                 ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params
             )
             if k > 0:
                 started[name].accept(ctx, num_accepted)
             stats.verify_s += time.perf_counter() - verify_start
 
-            emitted = int(num_accepted.sum()) + active
             stats.num_target_forwards += 1
             stats.num_emitted_tokens += emitted
             stats.active_batch_sizes.append(active)
@@ -289,7 +290,10 @@ class SpeculativeEngine:
 
     @staticmethod
     def _emit(ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params):
-        """Append each active row's d_1..d_n, x (cut after the first EOS); returns the mask of rows still going."""
+        """Append each active row's d_1..d_n, x (cut after the first EOS).
+
+        Returns the mask of rows still going and the number of tokens emitted.
+        """
         # (B, k+1): accepted drafts, then the next token at index n.
         tokens = torch.cat([draft_ids, next_tokens[:, None]], dim=1).scatter(
             1, num_accepted[:, None], next_tokens[:, None]
@@ -310,7 +314,7 @@ class SpeculativeEngine:
             completions[row].extend(new)
             logprobs[row].extend(lp_l[i][: counts_l[i]])
             keep.append(not ended[i] and len(completions[row]) < params.max_new_tokens)
-        return torch.tensor(keep, dtype=torch.bool, device=num_accepted.device)
+        return torch.tensor(keep, dtype=torch.bool, device=num_accepted.device), sum(counts_l)
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
