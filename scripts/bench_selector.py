@@ -35,6 +35,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=6, help="timed batches of 8 prompts x 8 samples")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches the bandit learns on first")
     parser.add_argument("--rounds", type=int, default=2, help="passes over the timed batches")
+    parser.add_argument("--epsilon", type=float, default=0.1, help="exploration probability of the bandit")
+    parser.add_argument(
+        "--bandit-drafters", default="ngram,lm", help="drafters whose arms the bandit may play (it always has 'off')"
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
 
@@ -48,7 +52,8 @@ def main() -> None:
     params = SamplingParams(temperature=1.0, max_new_tokens=512, eos_token_ids=(tokenizer.eos_token_id,))
     arms = [("ngram", k) for k in (1, 2, 4)] + [("lm", k) for k in (1, 2, 3, 4, 6)]
     fixed = {"off": FixedSpeculation(0)} | {f"{d}:k={k}": FixedSpeculation(k, d) for d, k in arms}
-    bandit = BanditSpeculation(arms=arms, epsilon=0.1, seed=0)
+    allowed = args.bandit_drafters.split(",")
+    bandit = BanditSpeculation(arms=[a for a in arms if a[0] in allowed], epsilon=args.epsilon, seed=0)
 
     def batch(i):
         data = make_dataset(8, seed=5000 + i)
@@ -76,6 +81,8 @@ def main() -> None:
         "total_seconds": totals,
         "best_fixed_arm": best_fixed[1],
         "adaptive_over_best_fixed": totals["bandit"] / best_fixed[0],
+        "epsilon": args.epsilon,
+        "bandit_arms": [list(a) for a in bandit.arms],
         "bandit_best_arms": {str(b): list(a) for b, a in bandit.best_arms().items()},
     }
     for name, seconds in sorted(totals.items(), key=lambda x: x[1]):
