@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from .drafters.base import DraftContext, Drafter
 from .kv_cache import RaggedKVModel
-from .sampling import SamplingParams, process_logits
+from .sampling import SamplingParams, process_logits, upcast_logits
 from .speculative import verify_drafts
 
 
@@ -203,7 +203,7 @@ class SpeculativeEngine:
         )
         empty = torch.zeros((batch, 0), dtype=torch.long, device=device)
         no_drafts = torch.zeros(batch, dtype=torch.long, device=device)
-        logp = process_logits(_upcast(last_logits), params, None if seen is None else seen[:, None])
+        logp = process_logits(upcast_logits(last_logits), params, None if seen is None else seen[:, None])
         _, next_tokens, emitted_lp = verify_drafts(logp, empty, no_drafts, None, params.do_sample, generator)
         _sync(device)
         stats.prefill_s = time.perf_counter() - start
@@ -234,10 +234,9 @@ class SpeculativeEngine:
                 ctx.hidden_states = policy.hidden_states
                 self.drafters[name].start(ctx)
                 started[name] = self.drafters[name]
-            remaining = torch.tensor(
-                [params.max_new_tokens - len(completions[r]) for r in ctx.row_ids.tolist()], device=device
-            )
-            last = torch.tensor([sequences[r][-1] for r in ctx.row_ids.tolist()], device=device)[:, None]
+            rows_l = ctx.row_ids.tolist()
+            remaining = torch.tensor([params.max_new_tokens - len(completions[r]) for r in rows_l], device=device)
+            last = torch.tensor([sequences[r][-1] for r in rows_l], device=device)[:, None]
             draft_probs = None
             if k > 0:
                 draft = started[name].propose(ctx, k)
@@ -255,7 +254,7 @@ class SpeculativeEngine:
             lengths_before = policy.lengths
             logits = policy.extend(torch.cat([last, draft_ids], dim=1), valid)  # (B, k+1, V)
             step_seen = None if seen is None else _seen_per_position(seen, draft_ids)
-            logp = process_logits(_upcast(logits), params, step_seen)
+            logp = process_logits(upcast_logits(logits), params, step_seen)
             num_accepted, next_tokens, emitted_lp = verify_drafts(
                 logp, draft_ids, num_drafts, draft_probs, params.do_sample, generator
             )
@@ -315,11 +314,6 @@ class SpeculativeEngine:
             logprobs[row].extend(lp_l[i][: counts_l[i]])
             keep.append(not ended[i] and len(completions[row]) < params.max_new_tokens)
         return torch.tensor(keep, dtype=torch.bool, device=num_accepted.device), sum(counts_l)
-
-
-def _upcast(logits: torch.Tensor) -> torch.Tensor:
-    """Process logits in float32 at least (float64 models stay float64)."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def _seen_per_position(seen: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,11 @@ class SamplingParams:
         return self.repetition_penalty != 1.0
 
 
+def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Process logits in float32 at least (float64 models stay float64)."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """`RepetitionPenaltyLogitsProcessor` with a boolean mask of seen tokens. logits, seen: (..., V)."""
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)

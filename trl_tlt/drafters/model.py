@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..kv_cache import RaggedKVModel
-from ..sampling import SamplingParams, process_logits
+from ..sampling import SamplingParams, process_logits, upcast_logits
 from .base import Draft, DraftContext, Drafter
 
 
@@ -46,9 +46,7 @@ class ModelDrafter(Drafter):
         logits = self._to_policy_vocab(logits)
         # q may be any distribution (verification stays exact); skip the penalty, which needs the full history.
         params = dataclasses.replace(params, repetition_penalty=1.0)
-        logprobs = process_logits(
-            logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, params
-        )
+        logprobs = process_logits(upcast_logits(logits), params)
         if not params.do_sample:
             return logprobs.argmax(dim=-1), logprobs.exp()
         probs = logprobs.exp()
