@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from trl_tlt.drafters import Draft, ModelDrafter, NgramDrafter
+from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.sampling import SamplingParams, process_logits
 from trl_tlt.tiny import build_tiny_model
@@ -38,10 +39,14 @@ def make_drafter(name, model, tokenizer):
     if name == "model":
         small = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=1, seed=7, dtype=model.dtype)
         return ModelDrafter(small, model.config.vocab_size)
+    if name == "eagle3":
+        torch.manual_seed(7)
+        head = Eagle3Model(eagle3_config(model.config), model.get_input_embeddings()).to(model.dtype)
+        return Eagle3Drafter(head)
     return None
 
 
-@pytest.mark.parametrize("drafter_name", ["none", "ngram", "model"])
+@pytest.mark.parametrize("drafter_name", ["none", "ngram", "model", "eagle3"])
 def test_greedy_matches_generate(tiny_model_f64, tokenizer, drafter_name):
     model = tiny_model_f64
     # Repeated prompts give the n-gram drafter siblings to copy from.
@@ -193,7 +198,7 @@ class LyingDrafter(ModelDrafter):
     ],
     ids=["temp0.7-topk5", "temp1.3-topp0.6-rep1.3"],
 )
-@pytest.mark.parametrize("drafter_name", ["model", "deterministic"])
+@pytest.mark.parametrize("drafter_name", ["model", "deterministic", "eagle3"])
 def test_speculative_sampling_reproduces_policy_distribution(tokenizer, params, drafter_name):
     model = peaked_model(tokenizer)
     prompt = [11, 12, 13, 11, 12]
@@ -202,6 +207,8 @@ def test_speculative_sampling_reproduces_policy_distribution(tokenizer, params, 
     expected = exact_sequence_distribution(model, prompt, params, length=3)
     if drafter_name == "model":
         drafter = ModelDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
+    elif drafter_name == "eagle3":
+        drafter = make_drafter("eagle3", model, tokenizer)
     else:
         drafter = ArgmaxDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
     engine = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=3)

@@ -211,7 +211,14 @@ class SpeculativeEngine:
             ctx, completions, logprobs, empty, no_drafts, next_tokens, emitted_lp, seen, eos, params
         )
         stats.num_emitted_tokens += num_emitted
-        started: dict[str, Drafter] = {}  # drafters are started lazily, at their first use
+        # Drafters start lazily, at their first use; those that read the policy's hidden states start now and
+        # see every forward (the states of earlier positions are gone once the next forward runs).
+        started: dict[str, Drafter] = {}
+        ctx.hidden_states = policy.hidden_states
+        for drafter_name, drafter in self.drafters.items():
+            if getattr(drafter, "needs_hidden_states", False):
+                drafter.start(ctx)
+                started[drafter_name] = drafter
 
         while True:
             if not keep.all():
@@ -263,8 +270,8 @@ class SpeculativeEngine:
             keep, emitted = self._emit(
                 ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params
             )
-            if k > 0:
-                started[name].accept(ctx, num_accepted)
+            for drafter in started.values():
+                drafter.accept(ctx, num_accepted)
             stats.verify_s += time.perf_counter() - verify_start
 
             stats.num_target_forwards += 1

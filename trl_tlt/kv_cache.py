@@ -37,7 +37,7 @@ class RaggedKVModel:
         self.lengths: torch.Tensor | None = None  # (B,) valid tokens per row
         self.hidden_states: tuple[torch.Tensor, ...] | None = None
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int = 0):
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int = 0, **model_kwargs):
         out = self.model(
             input_ids=input_ids,
             attention_mask=self.attention_mask.long(),
@@ -46,6 +46,7 @@ class RaggedKVModel:
             use_cache=True,
             logits_to_keep=logits_to_keep,
             output_hidden_states=self.output_hidden_states,
+            **model_kwargs,
         )
         self.cache = out.past_key_values
         self.hidden_states = out.hidden_states if self.output_hidden_states else None
@@ -58,8 +59,11 @@ class RaggedKVModel:
         return out.logits
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], pad_token_id: int = 0) -> torch.Tensor:
-        """Start a batch from ragged prompts (left-padded, as `generate` does). Returns last-position logits (B, V)."""
+    def prefill(self, prompts: list[list[int]], pad_token_id: int = 0, **model_kwargs) -> torch.Tensor:
+        """Start a batch from ragged prompts (left-padded, as `generate` does). Returns last-position logits (B, V).
+
+        `model_kwargs` go to the model's forward (already laid out like the left-padded batch).
+        """
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.bool)
@@ -71,11 +75,11 @@ class RaggedKVModel:
         self.attention_mask = mask
         self.lengths = mask.sum(dim=1)
         position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        return self._forward(input_ids, position_ids, logits_to_keep=1)[:, -1]
+        return self._forward(input_ids, position_ids, logits_to_keep=1, **model_kwargs)[:, -1]
 
     @torch.no_grad()
-    def extend(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Append n positions to every row; `valid` (B, n) marks real tokens (a valid prefix per row).
+    def extend(self, input_ids: torch.Tensor, valid: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        """Append n positions to every row; `valid` (B, n) marks real tokens (invalid ones become holes).
 
         Returns logits (B, n, V); rows' invalid positions produce garbage logits and become holes.
         """
@@ -83,7 +87,7 @@ class RaggedKVModel:
         position_ids = position_ids.clamp(min=0)
         self.attention_mask = torch.cat([self.attention_mask, valid], dim=1)
         self.lengths = self.lengths + valid.sum(dim=1)
-        return self._forward(input_ids, position_ids)
+        return self._forward(input_ids, position_ids, **model_kwargs)
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Keep only the first `lengths[b]` valid tokens of each row (the rest become holes)."""

@@ -1,8 +1,10 @@
 """The drafter interface of the speculative engine.
 
-Per `generate` call the engine calls `start` once, then, at every speculative step, `propose` (k tokens per active
-row from the current state), and after verification `accept` (how many drafts each row kept). `select` follows
-whenever finished rows leave the batch. Drafters read what they need from `DraftContext`.
+Per `generate` call the engine calls `start` once (at its first use; at prefill for drafters with
+`needs_hidden_states = True`), then `propose` (k tokens per active row from the current state) at the steps it
+drafts, and `accept` after every policy forward once started (how many drafts each row kept; drafters that did
+not draft that step ignore it or, like EAGLE, record the policy's hidden states). `select` follows whenever
+finished rows leave the batch. Drafters read what they need from `DraftContext`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,13 @@ class Draft:
 
 
 class Drafter:
-    """Base class: override `propose`; the hooks default to no-ops for stateless drafters."""
+    """Base class: override `propose`; the hooks default to no-ops for stateless drafters.
+
+    Attributes:
+        needs_hidden_states: The drafter reads `DraftContext.hidden_states` (the engine then keeps them).
+    """
+
+    needs_hidden_states: bool = False
 
     def start(self, ctx: DraftContext) -> None:
         """A new batch begins (every row holds its prompt and its first sampled token)."""
@@ -62,7 +70,7 @@ class Drafter:
         raise NotImplementedError
 
     def accept(self, ctx: DraftContext, num_accepted_tokens: torch.Tensor) -> None:
-        """After verification; `ctx.sequences` already hold the emitted tokens."""
+        """After every policy forward (whoever drafted); `ctx.sequences` already hold the emitted tokens."""
 
     def select(self, rows: torch.Tensor) -> None:
         """Only `rows` (indices into the current batch) stay active."""

@@ -18,6 +18,20 @@ from ..sampling import SamplingParams, process_logits, upcast_logits
 from .base import Draft, DraftContext, Drafter
 
 
+def sample_draft(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft tokens (B,) and q (B, V) from policy-vocabulary logits (B, V), float32 at least.
+
+    q may be any distribution (verification stays exact), so the repetition penalty, which needs the full
+    history, is skipped; greedy verification ignores q.
+    """
+    params = dataclasses.replace(params, repetition_penalty=1.0)
+    logprobs = process_logits(upcast_logits(logits), params)
+    probs = logprobs.exp()
+    if not params.do_sample:
+        return logprobs.argmax(dim=-1), probs
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
+
+
 class ModelDrafter(Drafter):
     """Draft with a small causal LM (fully trained or a PEFT-LoRA model).
 
@@ -40,17 +54,6 @@ class ModelDrafter(Drafter):
             return logits[..., : self.vocab_size]
         pad = logits.new_full((*logits.shape[:-1], self.vocab_size - logits.size(-1)), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
-
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns draft tokens (B,) and q (B, V) (float32 at least; greedy verification ignores q)."""
-        logits = self._to_policy_vocab(logits)
-        # q may be any distribution (verification stays exact); skip the penalty, which needs the full history.
-        params = dataclasses.replace(params, repetition_penalty=1.0)
-        logprobs = process_logits(upcast_logits(logits), params)
-        if not params.do_sample:
-            return logprobs.argmax(dim=-1), logprobs.exp()
-        probs = logprobs.exp()
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> None:
@@ -78,7 +81,7 @@ class ModelDrafter(Drafter):
 
         token_ids, probs = [], []
         for j in range(k):
-            tokens, q = self._sample(last, ctx.params, ctx.generator)
+            tokens, q = sample_draft(self._to_policy_vocab(last), ctx.params, ctx.generator)
             token_ids.append(tokens)
             probs.append(q)
             if j < k - 1:

@@ -1,0 +1,124 @@
+"""EAGLE-3 drafter: cached inference == training-time test, packing isolation, lossless engine, checkpoints."""
+
+import json
+
+import pytest
+import torch
+
+from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
+from trl_tlt.engine import SpeculativeEngine
+from trl_tlt.kv_cache import RaggedKVModel
+from trl_tlt.sampling import SamplingParams
+from trl_tlt.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def policy64(tokenizer):
+    torch.manual_seed(0)
+    return build_tiny_model(
+        tokenizer, arch="qwen2", hidden_size=64, num_hidden_layers=4, num_attention_heads=2, dtype=torch.float64
+    ).eval()
+
+
+def make_head(policy, draft_vocab_size=None, seed=1):
+    torch.manual_seed(seed)
+    config = eagle3_config(policy.config, draft_vocab_size=draft_vocab_size)
+    head = Eagle3Model(config, policy.get_input_embeddings()).to(torch.float64)
+    with torch.no_grad():  # random weights large enough that mistakes show
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+    if draft_vocab_size:
+        head.set_vocab(torch.randperm(policy.config.vocab_size)[:draft_vocab_size].sort().values)
+    return head.eval()
+
+
+def features(policy, head, ids):
+    with torch.no_grad():
+        out = policy(torch.tensor([ids]), output_hidden_states=True)
+    return head.fuse(out.hidden_states)[0]  # (N, H)
+
+
+def test_config_derives_from_policy(policy64):
+    config = eagle3_config(policy64.config)
+    assert config.hidden_size == policy64.config.hidden_size and config.num_hidden_layers == 1
+    assert config.eagle_config["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    assert config.architectures == ["LlamaForCausalLMEagle3"]
+    with pytest.raises(ValueError, match="aux_hidden_state_layer_ids"):
+        eagle3_config(policy64.config, aux_hidden_state_layer_ids=[0, 1, 4])
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        eagle3_config(policy64.config, draft_vocab_size=10**6)
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 64])
+def test_ttt_equals_cached_inference(policy64, draft_vocab_size):
+    """Step j of the training-time test at index t == drafting j tokens after position t with the KV cache."""
+    head = make_head(policy64, draft_vocab_size)
+    ids = torch.randint(0, policy64.config.vocab_size, (12,)).tolist()
+    fused = features(policy64, head, ids)
+    n = len(ids) - 1
+    inputs = torch.tensor([ids[1:]])
+    outs = head.ttt_forward(inputs, fused[None, :n], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), 3)
+    for t in (0, 4, n - 3):
+        runner = RaggedKVModel(head, output_hidden_states=True)
+        runner.prefill([ids[1 : t + 2]], hidden_states=fused[None, : t + 1])
+        prenorm = runner.hidden_states[0][:, -1]
+        torch.testing.assert_close(prenorm[0], outs[0][0, t])
+        for j in (1, 2):
+            one = torch.ones(1, 1, dtype=torch.bool)
+            runner.extend(torch.tensor([[ids[t + j + 1]]]), one, hidden_states=prenorm[:, None])
+            prenorm = runner.hidden_states[0][:, 0]
+            torch.testing.assert_close(prenorm[0], outs[j][0, t])
+
+
+def test_packed_samples_do_not_attend_across(policy64):
+    head = make_head(policy64)
+    a = torch.randint(0, policy64.config.vocab_size, (7,)).tolist()
+    b = torch.randint(0, policy64.config.vocab_size, (9,)).tolist()
+    fa, fb = features(policy64, head, a), features(policy64, head, b)
+    alone = head.ttt_forward(torch.tensor([b[1:]]), fb[None, :8], torch.arange(8)[None], torch.ones(1, 8).long(), 2)
+    packed_ids = torch.tensor([a[1:] + b[1:]])
+    packed_h = torch.cat([fa[:6], fb[:8]])[None]
+    positions = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    seq_ids = torch.tensor([[1] * 6 + [2] * 8])
+    packed = head.ttt_forward(packed_ids, packed_h, positions, seq_ids, 2)
+    torch.testing.assert_close(packed[0][0, 6:], alone[0][0])
+    torch.testing.assert_close(packed[1][0, 6:12], alone[1][0, :6])  # the last index's step 1 reads past b's end
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 64])
+def test_engine_greedy_equals_plain_decoding(policy64, tokenizer, draft_vocab_size):
+    head = make_head(policy64, draft_vocab_size)
+    prompts = [tokenizer.encode(t) for t in ("12+34=", "The quick brown", "Count: 1 2 3", "7")]
+    params = SamplingParams(do_sample=False, max_new_tokens=20, eos_token_ids=(tokenizer.eos_token_id,))
+    plain = SpeculativeEngine(policy64).generate(prompts, params)
+    spec = SpeculativeEngine(policy64, drafter=Eagle3Drafter(head), num_speculative_tokens=3).generate(prompts, params)
+    assert spec.completion_ids == plain.completion_ids
+    assert spec.stats.num_drafts > 0
+
+
+def test_save_load_round_trip_is_bit_exact(policy64, tmp_path):
+    head = make_head(policy64, draft_vocab_size=64)
+    head.save_pretrained(tmp_path / "d")
+    loaded = Eagle3Model.from_pretrained(tmp_path / "d", policy64)
+    for name, tensor in head.export_state_dict().items():
+        assert torch.equal(tensor, loaded.export_state_dict()[name]), name
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 64
+    assert "embed_tokens.weight" not in head.export_state_dict()
+    head.save_pretrained(tmp_path / "s", engine="sglang")
+    sglang = json.loads((tmp_path / "s" / "config.json").read_text())["eagle_config"]
+    assert sglang["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in head.aux_layer_ids]
+
+
+def test_incomplete_export_raises(policy64, tmp_path):
+    head = make_head(policy64)
+    head.save_pretrained(tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    del config["eagle_config"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        Eagle3Model.from_pretrained(tmp_path / "d", policy64)
+    head.register_buffer("d2t", None)
+    with pytest.raises(ValueError, match="d2t"):
+        head.save_pretrained(tmp_path / "e")
+    assert not (tmp_path / "e").exists()

@@ -1,0 +1,448 @@
+"""EAGLE-3 drafter: one decoder layer on the policy's fused hidden states, in the layout vLLM and SGLang load.
+
+Drafter position t reads the policy's hidden states at position t (three layers, `aux_hidden_state_layer_ids`,
+concatenated and fused by `fc`) and the embedding of token t+1 (the policy's embedding, shared and frozen), and
+predicts token t+2. Further draft steps feed the drafter's own pre-norm output back in place of the fused hidden
+state, one position later, as vLLM's EAGLE proposer does:
+
+    x      = cat(input_layernorm(embed(token)), hidden_norm(h))        # (.., 2H)
+    h'     = h + o_proj(attn(x))                                        # attention over the drafter's cache
+    h''    = h' + mlp(post_attention_layernorm(h'))                     # pre-norm output, fed back
+    logits = lm_head(norm(h''))  over the draft vocabulary; target id = draft id + d2t[draft id]
+
+Layer ids follow vLLM: id i is the input of policy layer i, i.e. Hugging Face's `hidden_states[i]`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from ..kv_cache import RaggedKVModel
+from .base import Draft, DraftContext, Drafter
+from .model import sample_draft
+
+
+WEIGHTS_NAME = "model.safetensors"
+# Every tensor an exported checkpoint must hold (besides the `midlayer.` layer weights).
+REQUIRED_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """Low, middle and high policy layers (vLLM's default (2, L // 2, L - 3), clamped for shallow policies)."""
+    if num_layers >= 6:
+        return [2, num_layers // 2, num_layers - 3]
+    return [0, num_layers // 2, num_layers - 1]
+
+
+def eagle3_config(
+    policy_config, aux_hidden_state_layer_ids: list[int] | None = None, draft_vocab_size: int | None = None
+) -> LlamaConfig:
+    """The drafter's config, derived from the policy's (same width, heads, RoPE and vocabulary; one layer)."""
+    text = policy_config.get_text_config() if hasattr(policy_config, "get_text_config") else policy_config
+    num_layers = text.num_hidden_layers
+    ids = list(aux_hidden_state_layer_ids or default_aux_layer_ids(num_layers))
+    if len(ids) != 3 or not all(0 <= i < num_layers for i in ids):
+        raise ValueError(
+            f"`aux_hidden_state_layer_ids` must be 3 policy layer ids in [0, {num_layers - 1}], got {ids}."
+        )
+    vocab = text.vocab_size
+    draft_vocab_size = draft_vocab_size or vocab
+    if not 0 < draft_vocab_size <= vocab:
+        raise ValueError(
+            f"`draft_vocab_size` must be in [1, {vocab}] (the policy's vocabulary), got {draft_vocab_size}."
+        )
+    if getattr(text, "final_logit_softcapping", None):
+        raise ValueError("EAGLE-3 drafters need a policy without final logit soft-capping; use drafter_type='model'.")
+    heads = text.num_attention_heads
+    return LlamaConfig(
+        architectures=["LlamaForCausalLMEagle3"],
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        hidden_act=text.hidden_act,
+        rms_norm_eps=text.rms_norm_eps,
+        rope_parameters=dict(text.rope_parameters),
+        max_position_embeddings=text.max_position_embeddings,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=text.hidden_size,
+        tie_word_embeddings=False,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        torch_dtype=str(text.dtype).removeprefix("torch.") if getattr(text, "dtype", None) else "float32",
+    )
+
+
+class Eagle3Layer(nn.Module):
+    """vLLM's EAGLE-3 decoder layer: attention over concat(normed embedding, normed hidden state)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim,
+        )
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(2 * hidden, self.num_heads * head_dim, bias=False)
+        self.self_attn.k_proj = nn.Linear(2 * hidden, self.num_kv_heads * head_dim, bias=False)
+        self.self_attn.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * head_dim, bias=False)
+        self.self_attn.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=False)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+
+    def qkv(self, embeds, hidden, cos, sin):
+        """Queries, keys, values (B, heads, n, d) with RoPE applied."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        attn = self.self_attn
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def finish(self, attn_out, hidden):
+        """Output projection, residuals and MLP: the pre-norm output (B, n, H)."""
+        hidden = hidden + self.self_attn.o_proj(attn_out.transpose(1, 2).flatten(2))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def repeat_kv(self, x):
+        return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+
+
+class Eagle3Model(nn.Module):
+    """The trainable EAGLE-3 head; the policy's embedding is held by reference (frozen, never saved).
+
+    Args:
+        config: From `eagle3_config(policy.config, ...)`.
+        embed_tokens: The policy's input embedding.
+
+    Example:
+        >>> head = Eagle3Model(eagle3_config(policy.config), policy.get_input_embeddings())
+        >>> head.save_pretrained("drafter/")  # loads in vLLM as speculative_config={"method": "eagle3", ...}
+    """
+
+    def __init__(self, config: LlamaConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        object.__setattr__(self, "embed_tokens", embed_tokens)  # shared, not a submodule: not saved, not trained
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list(self.config.eagle_config["eagle_aux_hidden_state_layer_ids"])
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def init_from_policy(self, policy: PreTrainedModel, token_counts: torch.Tensor | None = None) -> None:
+        """Warm-start: draft vocabulary = the most frequent tokens, LM head and final norm copied from the policy."""
+        vocab, draft_vocab = self.config.vocab_size, self.config.draft_vocab_size
+        if draft_vocab < vocab:
+            if token_counts is None:
+                raise ValueError("A draft vocabulary smaller than the policy's needs `token_counts` to choose it.")
+            draft_ids = torch.topk(token_counts.float(), draft_vocab).indices.sort().values
+        else:
+            draft_ids = torch.arange(vocab)
+        self.set_vocab(draft_ids)
+        head = policy.get_output_embeddings().weight.detach()
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head[draft_ids.to(head.device)])
+            self.norm.weight.copy_(policy.get_decoder().norm.weight.detach())
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """`draft_ids`: ascending policy token ids of the draft vocabulary."""
+        draft_ids = draft_ids.to(self.d2t.device)
+        self.d2t.copy_(draft_ids - torch.arange(draft_ids.numel(), device=draft_ids.device))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Policy token id of every draft-vocabulary entry."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def fuse(self, policy_hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Hugging Face `hidden_states` of the policy -> fused (.., H) inputs."""
+        aux = torch.cat([policy_hidden_states[i] for i in self.aux_layer_ids], dim=-1)
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits from pre-norm outputs."""
+        return self.lm_head(self.norm(prenorm))
+
+    def to_policy_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """(.., V_draft) -> (.., V) with -inf outside the draft vocabulary."""
+        if draft_logits.size(-1) == self.config.vocab_size:  # full vocabulary: d2t is all zeros
+            return draft_logits
+        out = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return out.index_copy(-1, self.draft_ids, draft_logits)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_key_values: DynamicCache,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Cached inference over n new positions (the `RaggedKVModel` contract).
+
+        `hidden_states` (B, n, H): fused policy states or the drafter's own pre-norm outputs. `attention_mask`
+        (B, T) marks the valid cache positions, the new ones last. Returns policy-vocabulary `logits` and the
+        pre-norm outputs as `hidden_states[0]`.
+        """
+        layer = self.midlayer
+        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
+        cos, sin = self.rotary_emb(hidden_states, position_ids)
+        q, k, v = layer.qkv(embeds, hidden_states, cos, sin)
+        k, v = past_key_values.update(k, v, 0)
+        n, total = q.size(2), k.size(2)
+        valid = attention_mask.bool()
+        query_index = torch.arange(total - n, total, device=q.device)
+        causal = torch.arange(total, device=q.device)[None, :] <= query_index[:, None]  # (n, T)
+        mask = causal[None] & valid[:, None, :]
+        mask = mask | (torch.arange(total, device=q.device)[None, :] == query_index[:, None])[None]  # never empty
+        out = F.scaled_dot_product_attention(q, layer.repeat_kv(k), layer.repeat_kv(v), attn_mask=mask[:, None])
+        prenorm = layer.finish(out, hidden_states)
+        logits = self.to_policy_vocab(self.logits(prenorm))
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values, hidden_states=(prenorm,))
+
+    def ttt_forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        ttt_length: int,
+    ) -> list[torch.Tensor]:
+        """Training-time test: `ttt_length` unrolled draft steps over packed rows, all positions at once.
+
+        Args:
+            input_ids: (B, T) token t+1 at index t (the drafter's step-0 input).
+            hidden_states: (B, T, H) fused policy states at position t.
+            position_ids: (B, T) position of index t within its sample.
+            seq_ids: (B, T) sample of index t (packed samples never attend across each other; 0 = padding).
+            ttt_length: Unrolled steps J.
+
+        Returns:
+            J pre-norm outputs (B, T, H); step j at index t predicts token t+j+2. Step j's query at index t attends
+            to the step-0 keys at indices s <= t of its sample and to its own steps 1..j at index t: exactly the
+            cache inference builds when it drafts j tokens after position t.
+        """
+        layer = self.midlayer
+        scale = 1.0 / math.sqrt(layer.head_dim)
+        same = seq_ids[:, :, None] == seq_ids[:, None, :]
+        index = torch.arange(input_ids.size(1), device=input_ids.device)
+        base_mask = same & (index[None, :, None] >= index[None, None, :])  # (B, T, T)
+        keys, values, outputs = [], [], []
+        hidden = hidden_states
+        for j in range(ttt_length):
+            ids_j = shift_left(input_ids, j, 0)
+            embeds = self.embed_tokens(ids_j).to(hidden.dtype)
+            cos, sin = self.rotary_emb(hidden, position_ids + j)
+            q, k, v = layer.qkv(embeds, hidden, cos, sin)
+            k, v = layer.repeat_kv(k), layer.repeat_kv(v)
+            keys.append(k)
+            values.append(v)
+            scores = torch.matmul(q, keys[0].transpose(-1, -2)) * scale  # (B, h, T, T)
+            scores = scores.masked_fill(~base_mask[:, None], float("-inf"))
+            diag = [(q * keys[i]).sum(-1, keepdim=True) * scale for i in range(1, j + 1)]  # (B, h, T, 1) each
+            probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
+            out = torch.matmul(probs[..., : scores.size(-1)], values[0])
+            for i in range(1, j + 1):
+                out = out + probs[..., scores.size(-1) + i - 1 : scores.size(-1) + i] * values[i]
+            hidden = layer.finish(out, hidden)
+            outputs.append(hidden)
+        return outputs
+
+    # ----- checkpoint (the layout vLLM's LlamaForCausalLMEagle3 and SGLang load) -----
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary_emb")}
+
+    def save_pretrained(self, path: str | Path, engine: str = "vllm") -> None:
+        """Write config.json + model.safetensors. `engine="sglang"` writes SGLang's layer ids (vLLM's + 1)."""
+        if engine not in ("vllm", "sglang"):
+            raise ValueError(f"`engine` must be 'vllm' or 'sglang', got {engine!r}.")
+        state = self.export_state_dict()
+        check_complete(state, self.config.to_dict())
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        config = self.config.to_dict()
+        if engine == "sglang":
+            ids = [i + 1 for i in self.aux_layer_ids]
+            config["eagle_config"] = {**config["eagle_config"], "eagle_aux_hidden_state_layer_ids": ids}
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "engine": engine})
+        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, policy: PreTrainedModel) -> Eagle3Model:
+        """Load a drafter written by `save_pretrained` (vLLM layout) for `policy`; refuses incomplete checkpoints."""
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"{path} is not an EAGLE-3 drafter: it needs config.json and {WEIGHTS_NAME}.")
+        raw = json.loads((path / "config.json").read_text())
+        state = load_file(str(path / WEIGHTS_NAME))
+        check_complete(state, raw)
+        config = LlamaConfig.from_dict(raw)
+        policy_text = policy.config.get_text_config()
+        if config.target_hidden_size != policy_text.hidden_size or config.vocab_size != policy_text.vocab_size:
+            raise ValueError(
+                f"Drafter {path} was built for a policy with hidden size {config.target_hidden_size} and vocabulary "
+                f"{config.vocab_size}; this policy has {policy_text.hidden_size} and {policy_text.vocab_size}."
+            )
+        model = cls(config, policy.get_input_embeddings()).to(state["fc.weight"].dtype)  # the saved dtype: exact
+        missing = set(model.export_state_dict()) - set(state)
+        if missing:
+            raise ValueError(f"Drafter checkpoint {path} lacks {sorted(missing)}.")
+        model.load_state_dict(state, strict=False)
+        return model.to(policy.device)
+
+
+def check_complete(state: dict[str, torch.Tensor], config: dict) -> None:
+    """Refuse a checkpoint without layer ids, vocabulary mapping or any tensor (vLLM would load it silently)."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    missing = [name for name in REQUIRED_TENSORS if name not in state]
+    if not any(name.startswith("midlayer.") for name in state):
+        missing.append("midlayer.*")
+    if not ids or len(ids) != 3:
+        missing.append("eagle_config.eagle_aux_hidden_state_layer_ids")
+    if config.get("draft_vocab_size") is None:
+        missing.append("draft_vocab_size")
+    if missing:
+        raise ValueError(f"Incomplete EAGLE-3 drafter: missing {missing}. Build it with Eagle3Model and save again.")
+
+
+def shift_left(x: torch.Tensor, j: int, fill) -> torch.Tensor:
+    """x[:, t + j] at index t (`fill` past the end), along dim 1."""
+    if j == 0:
+        return x
+    pad = x.new_full((x.size(0), j, *x.shape[2:]), fill)
+    return torch.cat([x[:, j:], pad], dim=1)
+
+
+class Eagle3Drafter(Drafter):
+    """Plugs an `Eagle3Model` into the engine: catches up on the policy's hidden states, then drafts k tokens.
+
+    The engine starts it at prefill and calls `accept` after every policy forward (also at steps where another
+    drafter or no drafter ran), so it always holds the fused hidden states of every committed position. They
+    wait in a pending buffer and enter its cache at the next `propose`, so steps without speculation cost no
+    drafter forward.
+    """
+
+    needs_hidden_states = True
+
+    def __init__(self, model: Eagle3Model):
+        self.model = model.eval()
+        self.runner = RaggedKVModel(model, output_hidden_states=True)
+
+    @torch.no_grad()
+    def start(self, ctx: DraftContext) -> None:
+        rows = ctx.row_ids.tolist()
+        fused = self.model.fuse(ctx.hidden_states)  # (B, W, H), left-padded like the prompts
+        # Position t pairs hidden state t with token t+1; the newest token (sampled from the prefill) is the last.
+        shifted = [ctx.sequences[r][1:] for r in rows]
+        logits = self.runner.prefill(shifted, pad_token_id=0, hidden_states=fused)
+        self._last = (logits, self.runner.hidden_states[0][:, -1])
+        self._pending = fused.new_zeros((len(rows), 0, fused.size(-1)))
+        self._pending_valid = torch.zeros((len(rows), 0), dtype=torch.bool, device=fused.device)
+        self._committed = None
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        if self._pending.size(1):
+            logits, prenorm = self._flush(ctx)
+        else:
+            logits, prenorm = self._last
+        self._committed = self.runner.lengths.clone()
+        token_ids, probs = [], []
+        for j in range(k):
+            tokens, q = sample_draft(logits, ctx.params, ctx.generator)
+            token_ids.append(tokens)
+            probs.append(q)
+            if j < k - 1:
+                ones = torch.ones_like(tokens[:, None], dtype=torch.bool)
+                logits = self.runner.extend(tokens[:, None], ones, hidden_states=prenorm[:, None])[:, 0]
+                prenorm = self.runner.hidden_states[0][:, 0]
+        num_tokens = torch.full((len(token_ids[0]),), k, dtype=torch.long, device=token_ids[0].device)
+        return Draft(token_ids=torch.stack(token_ids, dim=1), num_tokens=num_tokens, probs=torch.stack(probs, dim=1))
+
+    def _flush(self, ctx: DraftContext):
+        """Feed the pending (token t+1, hidden t) pairs; returns the last position's logits and pre-norm output."""
+        valid = self._pending_valid
+        counts = valid.sum(1).tolist()
+        starts = (self.runner.lengths + 1).tolist()  # cache position c holds token c+1
+        tokens = [
+            t
+            for r, s, n in zip(ctx.row_ids.tolist(), starts, counts, strict=True)
+            for t in ctx.sequences[r][s : s + n]
+        ]
+        input_ids = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
+        input_ids[valid] = torch.tensor(tokens, dtype=torch.long, device=valid.device)
+        logits = self.runner.extend(input_ids, valid, hidden_states=self._pending)
+        prenorm = self.runner.hidden_states[0]
+        last = (valid.size(1) - 1 - valid.flip(1).int().argmax(1))[:, None]  # last valid index per row
+        logits = logits.gather(1, last[..., None].expand(-1, 1, logits.size(-1))).squeeze(1)
+        prenorm = prenorm.gather(1, last[..., None].expand(-1, 1, prenorm.size(-1))).squeeze(1)
+        self._pending = self._pending[:, :0]
+        self._pending_valid = self._pending_valid[:, :0]
+        return logits, prenorm
+
+    @torch.no_grad()
+    def accept(self, ctx: DraftContext, num_accepted_tokens: torch.Tensor) -> None:
+        """After every policy forward: drop this step's drafts, queue the hidden states of the kept positions."""
+        if self._committed is not None:
+            self.runner.truncate(self._committed)
+            self._committed = None
+        fused = self.model.fuse(ctx.hidden_states)  # (B, k+1, H)
+        kept = torch.arange(fused.size(1), device=fused.device)[None] <= num_accepted_tokens[:, None]
+        pending = torch.cat([self._pending, fused], dim=1)
+        valid = torch.cat([self._pending_valid, kept], dim=1)
+        width = int(valid.sum(1).max())
+        if width < valid.size(1):  # squeeze out the rejected positions
+            order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+            pending = pending.gather(1, order[..., None].expand(-1, -1, pending.size(-1)))
+            valid = valid.gather(1, order)
+        self._pending, self._pending_valid = pending, valid
+
+    def select(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.runner.device)
+        self.runner.select(rows)
+        self._pending, self._pending_valid = self._pending[rows], self._pending_valid[rows]
+        self._last = tuple(x[rows] for x in self._last)
+
+
+__all__ = [
+    "Eagle3Drafter",
+    "Eagle3Model",
+    "check_complete",
+    "default_aux_layer_ids",
+    "eagle3_config",
+    "shift_left",
+]
