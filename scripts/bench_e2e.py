@@ -93,7 +93,7 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
     }
     if name == "tlt":
         result["mean_acceptance_length"] = [h.get("tlt/mean_acceptance_length") for h in logs]
-        result["speculated_fraction"] = [h.get("tlt/speculated_fraction") for h in logs]
+        result["speculated_fraction"] = [h.get("tlt/spec_step_fraction") for h in logs]
     if args.eval_problems:
         torch.manual_seed(seed)
         stats = evaluate_policy(

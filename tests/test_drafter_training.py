@@ -25,10 +25,15 @@ def test_chunked_kl_equals_full_kl():
     torch.manual_seed(0)
     s_in, t_in = torch.randn(50, 16), torch.randn(50, 8)
     s_w, t_w = torch.randn(30, 16), torch.randn(30, 8)
-    expected = F.kl_div(
-        torch.log_softmax(s_in @ s_w.t(), -1), torch.log_softmax(t_in @ t_w.t(), -1), log_target=True,
-        reduction="sum",
-    ) / 50
+    expected = (
+        F.kl_div(
+            torch.log_softmax(s_in @ s_w.t(), -1),
+            torch.log_softmax(t_in @ t_w.t(), -1),
+            log_target=True,
+            reduction="sum",
+        )
+        / 50
+    )
     torch.testing.assert_close(distill_kl(s_in, s_w, t_in, t_w, chunk_size=16), expected)
 
 
@@ -58,10 +63,17 @@ def trained_setup(tokenizer):
 
 def test_eagle3_training_raises_acceptance(trained_setup):
     policy, params, samples, held_out = trained_setup
-    head = Eagle3Model(eagle3_config(policy.config, aux_hidden_state_layer_ids=[0, 1, 1]), policy.get_input_embeddings())
+    head = Eagle3Model(
+        eagle3_config(policy.config, aux_hidden_state_layer_ids=[0, 1, 1]), policy.get_input_embeddings()
+    )
     before = evaluate_acceptance(policy, Eagle3Drafter(head), held_out, params, k=3)
     history = train_drafter(
-        policy, head, samples, epochs=6, learning_rate=3e-3, config=DistillConfig(ttt_length=3, max_tokens_per_batch=512),
+        policy,
+        head,
+        samples,
+        epochs=6,
+        learning_rate=3e-3,
+        config=DistillConfig(ttt_length=3, max_tokens_per_batch=512),
         progress=False,
     )
     after = evaluate_acceptance(policy, Eagle3Drafter(head), held_out, params, k=3)

@@ -17,13 +17,15 @@ class TLTConfig(GRPOConfig):
     Configuration class for [`TLTGRPOTrainer`]: every [`~trl.GRPOConfig`] argument, plus the following.
 
     Parameters:
-        drafter_type (`str`, *optional*, defaults to `"ngram"`):
-            Drafter of the speculative rollouts: `"ngram"` (model-free lookup over the prompt and the sibling
-            completions of the same prompt), `"model"` (a small causal LM sharing the tokenizer, see
-            `drafter_model_name_or_path`), `"none"` (the engine without speculation). `"eagle3"` (an EAGLE-3 head
-            trained online) is reserved and not available in this version.
+        drafter_type (`str`, *optional*, defaults to `"eagle3"`):
+            Drafter of the speculative rollouts: `"eagle3"` (an EAGLE-3 head on the policy's hidden states),
+            `"model"` (a small causal LM sharing the tokenizer, see `drafter_model_name_or_path`), `"ngram"`
+            (model-free lookup over the prompt and the sibling completions of the same prompt), `"none"` (the
+            engine without speculation).
         drafter_model_name_or_path (`str` or `None`, *optional*, defaults to `None`):
-            With `drafter_type="model"`: path or Hub id of the drafter LM (required).
+            With `drafter_type="eagle3"`: a warm-start EAGLE-3 checkpoint (from `scripts/train_drafter.py` or
+            `save_drafter`); `None` = a new head for the policy (untrained until spot training lands, so warm-start
+            it). With `drafter_type="model"`: path or Hub id of the drafter LM (required).
         num_speculative_tokens (`int`, *optional*, defaults to `4`):
             Draft length k with `speculative_selector="fixed"`; the largest k the bandit may choose otherwise.
         speculative_selector (`str`, *optional*, defaults to `"bandit"`):
@@ -38,14 +40,16 @@ class TLTConfig(GRPOConfig):
     """
 
     drafter_type: str = field(
-        default="ngram",
+        default="eagle3",
         metadata={
-            "help": "Drafter: 'ngram', 'model' (small LM, see drafter_model_name_or_path) or 'none'.",
+            "help": "Drafter: 'eagle3' (EAGLE-3 head), 'model' (small LM, see drafter_model_name_or_path), 'ngram' "
+            "or 'none'.",
             "choices": list(DRAFTER_TYPES),
         },
     )
     drafter_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Drafter LM for drafter_type='model' (path or Hub id)."}
+        default=None,
+        metadata={"help": "Warm-start EAGLE-3 checkpoint (eagle3; None = new head) or the drafter LM (model)."},
     )
     num_speculative_tokens: int = field(
         default=4, metadata={"help": "Draft length k (fixed selector), or the largest k the bandit may choose."}
@@ -66,11 +70,6 @@ class TLTConfig(GRPOConfig):
         super().__post_init__()
         if self.drafter_type not in DRAFTER_TYPES:
             raise ValueError(f"`drafter_type` must be one of {DRAFTER_TYPES}, got {self.drafter_type!r}.")
-        if self.drafter_type == "eagle3":
-            raise ValueError(
-                "`drafter_type='eagle3'` is not available in this version of trl-tlt; use drafter_type='ngram' or "
-                "'model' (with drafter_model_name_or_path)."
-            )
         if self.drafter_type == "model" and not self.drafter_model_name_or_path:
             raise ValueError(
                 "`drafter_type='model'` needs `drafter_model_name_or_path` (a small LM with the same tokenizer)."

@@ -63,7 +63,7 @@ def main() -> None:
                     logs["tlt/rollout_seconds"],
                     logs["step_time"],
                     logs["tlt/mean_acceptance_length"],
-                    logs["tlt/speculated_fraction"],
+                    logs["tlt/spec_step_fraction"],
                     logs["tlt/mean_active_batch_size"],
                 )
                 print("".join(f"{v:>12.3f}" if isinstance(v, float) else f"{v:>12}" for v in values), flush=True)

@@ -85,7 +85,9 @@ def policy_features(
         aux = torch.cat([result.hidden_states[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
         for i, s in enumerate(batch):
             n = len(s.token_ids)
-            out.append(Features(s, None if aux is None else aux[i, :n].clone(), result.last_hidden_state[i, :n].clone()))
+            out.append(
+                Features(s, None if aux is None else aux[i, :n].clone(), result.last_hidden_state[i, :n].clone())
+            )
     return out
 
 
@@ -146,7 +148,10 @@ def _pack_row(row: list[Features]) -> PackedBatch:
 
 
 def distill_kl(
-    student_in: torch.Tensor, student_weight: torch.Tensor, teacher_in: torch.Tensor, teacher_weight: torch.Tensor,
+    student_in: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_in: torch.Tensor,
+    teacher_weight: torch.Tensor,
     chunk_size: int = 1024,
 ) -> torch.Tensor:
     """Mean over rows of KL(policy || drafter), chunked and fused with both LM heads (liger-kernel)."""
@@ -331,3 +336,73 @@ def evaluate_acceptance(
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "acceptance_rate_per_position": [c / drafts if drafts else 0.0 for c in per_pos],
     }
+
+
+def warm_start_drafter(
+    policy: PreTrainedModel,
+    prompts: list[list[int]],
+    output_dir,
+    params,
+    drafter: PreTrainedModel | None = None,
+    completions: list[list[int]] | None = None,
+    eval_prompts: list[list[int]] | None = None,
+    epochs: int = 3,
+    learning_rate: float = 1e-3,
+    config: DistillConfig | None = None,
+    draft_vocab_size: int | None = None,
+    aux_hidden_state_layer_ids: list[int] | None = None,
+    k: int = 4,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Train a drafter for `policy` offline, evaluate its acceptance on `eval_prompts`, save it to `output_dir`.
+
+    `drafter=None` builds a new EAGLE-3 head (draft vocabulary from the rollouts' token frequencies); otherwise
+    `drafter` is a small causal LM (optionally a peft model: LoRA adapters only). `completions` (aligned with
+    `prompts`) skip generation; by default the policy completes every prompt with `params`, as in RL.
+    Returns a report (also written to `output_dir/train_report.json`).
+    """
+    import json
+    import time
+    from pathlib import Path
+
+    from .drafters import ModelDrafter
+    from .drafters.eagle3 import Eagle3Drafter, eagle3_config
+
+    start = time.perf_counter()
+    if completions is None:
+        samples = generate_samples(policy, prompts, params, seed=seed)
+    else:
+        samples = [DrafterSample(p + c, len(p)) for p, c in zip(prompts, completions, strict=True) if c]
+    if not samples:
+        raise ValueError("No training samples: every completion is empty.")
+    generate_s = time.perf_counter() - start
+    vocab = policy.config.get_text_config().vocab_size
+    if drafter is None:
+        counts = torch.zeros(vocab)
+        for s in samples:
+            counts += torch.bincount(torch.tensor(s.token_ids[s.prompt_length :]), minlength=vocab)[:vocab]
+        cfg = eagle3_config(policy.config, aux_hidden_state_layer_ids, draft_vocab_size)
+        model = Eagle3Model(cfg, policy.get_input_embeddings()).to(policy.device)
+        model.init_from_policy(policy, counts)
+        make = Eagle3Drafter
+    else:
+        model = drafter
+
+        def make(m):
+            return ModelDrafter(m, vocab)
+
+    report: dict = {"num_samples": len(samples), "num_tokens": sum(len(s.token_ids) for s in samples)}
+    if eval_prompts:
+        report["before"] = evaluate_acceptance(policy, make(model), eval_prompts, params, k=k, seed=seed)
+    train_start = time.perf_counter()
+    history = train_drafter(policy, model, samples, epochs, learning_rate, config, seed, progress)
+    report["train_seconds"] = time.perf_counter() - train_start
+    report["generate_seconds"] = generate_s
+    report["final"] = {key: sum(h.get(key, 0.0) for h in history[-10:]) / min(len(history), 10) for key in history[-1]}
+    if eval_prompts:
+        report["after"] = evaluate_acceptance(policy, make(model), eval_prompts, params, k=k, seed=seed)
+    output_dir = Path(output_dir)
+    model.save_pretrained(output_dir)
+    (output_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report

@@ -12,15 +12,20 @@ import dataclasses
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
 from .config import TLTConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
 from .engine import FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine
 from .sampling import SamplingParams
 from .selector import BanditSpeculation
+
+
+logger = logging.get_logger(__name__)
 
 
 # GenerationConfig attributes the engine reproduces exactly; any other non-default setting is rejected.
@@ -93,10 +98,26 @@ class TLTGRPOTrainer(GRPOTrainer):
             return None
         if kind == "ngram":
             return NgramDrafter()
+        if kind == "eagle3":
+            return Eagle3Drafter(self._build_eagle3())
         drafter_lm = AutoModelForCausalLM.from_pretrained(self.args.drafter_model_name_or_path)
         drafter_lm.to(self.accelerator.device)
         vocab_size = self.model.config.get_text_config().vocab_size
         return ModelDrafter(drafter_lm, vocab_size)
+
+    def _build_eagle3(self) -> Eagle3Model:
+        policy = self.accelerator.unwrap_model(self.model)
+        path = self.args.drafter_model_name_or_path
+        if path is not None:
+            return Eagle3Model.from_pretrained(path, policy)
+        logger.warning(
+            "drafter_type='eagle3' without drafter_model_name_or_path: a new, untrained EAGLE-3 head accepts almost "
+            "nothing. Warm-start one with scripts/train_drafter.py and pass its directory."
+        )
+        head = Eagle3Model(eagle3_config(policy.config), policy.get_input_embeddings())
+        head.to(device=policy.device, dtype=policy.get_input_embeddings().weight.dtype)
+        head.init_from_policy(policy)
+        return head
 
     def _build_speculation(self) -> SpeculationPolicy:
         if self.tlt_drafter is None:
@@ -162,7 +183,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         metrics = {
             "tlt/mean_acceptance_length": stats.mean_acceptance_length,
             "tlt/draft_acceptance_rate": stats.draft_acceptance_rate,
-            "tlt/speculated_fraction": speculated / steps,
+            "tlt/spec_step_fraction": speculated / steps,
             "tlt/num_decode_steps": float(len(stats.active_batch_sizes)),
             "tlt/rollout_seconds": stats.total_s,
             "tlt/rollout_tokens_per_second": stats.num_emitted_tokens / max(stats.total_s, 1e-9),
