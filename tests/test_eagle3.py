@@ -111,13 +111,17 @@ def test_save_load_round_trip_is_bit_exact(policy64, tmp_path):
 
 
 def test_incomplete_export_raises(policy64, tmp_path):
-    head = make_head(policy64)
+    head = make_head(policy64, draft_vocab_size=64)
     head.save_pretrained(tmp_path / "d")
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     del config["eagle_config"]
     (tmp_path / "d" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         Eagle3Model.from_pretrained(tmp_path / "d", policy64)
+    with pytest.raises(ValueError, match="repeat a layer"):
+        Eagle3Model(eagle3_config(policy64.config, [1, 1, 3]), policy64.get_input_embeddings()).save_pretrained(
+            tmp_path / "f"
+        )
     head.register_buffer("d2t", None)
     with pytest.raises(ValueError, match="d2t"):
         head.save_pretrained(tmp_path / "e")

@@ -33,13 +33,15 @@ from .model import sample_draft
 
 
 WEIGHTS_NAME = "model.safetensors"
-# Every tensor an exported checkpoint must hold (besides the `midlayer.` layer weights).
+# Every tensor an exported checkpoint must hold (besides the `midlayer.` layer weights; `d2t`/`t2d` only with a
+# draft vocabulary smaller than the policy's).
 REQUIRED_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """Low, middle and high policy layers (vLLM's default (2, L // 2, L - 3), clamped for shallow policies)."""
-    if num_layers >= 6:
+    """Low, middle and high policy layers: vLLM's default (2, L // 2, L - 3) from 7 layers, (0, L // 2, L - 1)
+    below (distinct from 3 layers on; vLLM and SGLang need distinct ids)."""
+    if num_layers >= 7:
         return [2, num_layers // 2, num_layers - 3]
     return [0, num_layers // 2, num_layers - 1]
 
@@ -284,7 +286,11 @@ class Eagle3Model(nn.Module):
     # ----- checkpoint (the layout vLLM's LlamaForCausalLMEagle3 and SGLang load) -----
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary_emb")}
+        """The saved tensors; `d2t`/`t2d` only with a reduced draft vocabulary (vLLM rejects them otherwise)."""
+        skip = (
+            ("rotary_emb",) if self.config.draft_vocab_size < self.config.vocab_size else ("rotary_emb", "d2t", "t2d")
+        )
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith(skip)}
 
     def save_pretrained(self, path: str | Path, engine: str = "vllm") -> None:
         """Write config.json + model.safetensors. `engine="sglang"` writes SGLang's layer ids (vLLM's + 1)."""
@@ -328,11 +334,20 @@ class Eagle3Model(nn.Module):
 def check_complete(state: dict[str, torch.Tensor], config: dict) -> None:
     """Refuse a checkpoint without layer ids, vocabulary mapping or any tensor (vLLM would load it silently)."""
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    missing = [name for name in REQUIRED_TENSORS if name not in state]
+    reduced_vocab = config.get("draft_vocab_size") is not None and config["draft_vocab_size"] < config.get(
+        "vocab_size", 0
+    )
+    required = REQUIRED_TENSORS if reduced_vocab else tuple(n for n in REQUIRED_TENSORS if n not in ("d2t", "t2d"))
+    missing = [name for name in required if name not in state]
     if not any(name.startswith("midlayer.") for name in state):
         missing.append("midlayer.*")
     if not ids or len(ids) != 3:
         missing.append("eagle_config.eagle_aux_hidden_state_layer_ids")
+    elif len(set(ids)) != 3:
+        raise ValueError(
+            f"EAGLE-3 layer ids {ids} repeat a layer: vLLM and SGLang capture each layer once and would break. Build the "
+            "drafter with 3 distinct `aux_hidden_state_layer_ids` (the policy needs at least 3 layers)."
+        )
     if config.get("draft_vocab_size") is None:
         missing.append("draft_vocab_size")
     if missing:
