@@ -1,6 +1,7 @@
 """TLTGRPOTrainer is a drop-in GRPOTrainer: same constructor, same results (greedy), tlt/ metrics, clear errors."""
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +54,9 @@ def test_private_hooks_we_override_still_exist():
     params = list(inspect.signature(GRPOTrainer._generate_single_turn).parameters)
     assert params == ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"]
     assert hasattr(GRPOTrainer, "_generate_and_score_completions")
+    assert list(inspect.signature(GRPOTrainer._save_checkpoint).parameters) == ["self", "model", "trial"]
+    params = list(inspect.signature(GRPOTrainer._load_from_checkpoint).parameters)
+    assert params == ["self", "resume_from_checkpoint", "model"]
     trainer_src = inspect.getsource(GRPOTrainer.__init__)
     for attribute in ("self.generation_config", "self.generation_kwargs", "self._dist", "self.use_vllm"):
         assert attribute in trainer_src or attribute in inspect.getsource(GRPOTrainer), attribute
@@ -163,3 +167,54 @@ def test_unsupported_generation_kwargs_are_rejected(tiny_model_dirs, tmp_path):
             tmp_path,
             generation_kwargs={"no_repeat_ngram_size": 3},
         )
+
+
+def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, tmp_path):
+    trainer = train_one_step(
+        TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, save_strategy="steps", save_steps=1
+    )
+    checkpoint = tmp_path / "checkpoint-1"
+    saved = Eagle3Model.from_pretrained(checkpoint / "drafter", trainer.model).export_state_dict()
+    assert torch.equal(saved["fc.weight"], trainer.tlt_drafter.model.fc.weight)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
+    args = TLTConfig(**config_kwargs(tmp_path, max_steps=2, save_strategy="no"))
+    resumed = TLTGRPOTrainer(
+        model=model, reward_funcs=reward_len, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2})
+    )
+    with torch.no_grad():
+        resumed.tlt_drafter.model.fc.weight.zero_()
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for name, tensor in resumed.tlt_drafter.model.export_state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+
+
+def test_push_drafter_to_hub_uploads_drafter_and_card(tiny_model_dirs, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    trainer = train_one_step(TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path)
+    uploaded = {}
+
+    class FakeApi:  # the Hub boundary: never called for real in tests
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, **kwargs):
+            uploaded["created"] = repo_id
+
+        def upload_folder(self, folder_path, repo_id, commit_message):
+            uploaded["files"] = sorted(p.name for p in Path(folder_path).iterdir())
+            uploaded["card"] = (Path(folder_path) / "README.md").read_text()
+            return "commit"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    assert trainer.push_drafter_to_hub("me/drafter") == "commit"
+    assert uploaded["created"] == "me/drafter"
+    assert uploaded["files"] == ["README.md", "config.json", "model.safetensors"]
+    assert '"method": "eagle3"' in uploaded["card"]
+
+
+def test_model_free_drafter_has_nothing_to_save(tiny_model_dirs, tmp_path):
+    trainer = train_one_step(TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, drafter_type="ngram")
+    with pytest.raises(ValueError, match="drafter_type='eagle3' or 'model'"):
+        trainer.save_drafter(tmp_path / "d")

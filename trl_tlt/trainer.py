@@ -9,9 +9,14 @@ exactly as the parent's, so training is unchanged; only rollout time drops.
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
@@ -26,6 +31,8 @@ from .selector import BanditSpeculation
 
 
 logger = logging.get_logger(__name__)
+
+DRAFTER_DIR = "drafter"  # inside every checkpoint folder
 
 
 # GenerationConfig attributes the engine reproduces exactly; any other non-default setting is rejected.
@@ -191,3 +198,83 @@ class TLTGRPOTrainer(GRPOTrainer):
         }
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
+
+    # ------------------------------------------------------------------------------ drafter checkpoints
+    def _trainable_drafter(self):
+        """The drafter's own model (an `Eagle3Model` or a causal LM), or None for model-free drafters."""
+        if isinstance(self.tlt_drafter, Eagle3Drafter | ModelDrafter):
+            return self.tlt_drafter.model
+        return None
+
+    def save_drafter(self, path: str | os.PathLike) -> None:
+        """Save the drafter: EAGLE-3 in the layout vLLM and SGLang load, a small LM with `save_pretrained`."""
+        model = self._trainable_drafter()
+        if model is None:
+            raise ValueError(
+                f"drafter_type={self.args.drafter_type!r} has no weights to save; use drafter_type='eagle3' or 'model'."
+            )
+        if self.accelerator.is_main_process:
+            model.save_pretrained(path)
+
+    def push_drafter_to_hub(
+        self,
+        repo_id: str,
+        private: bool | None = None,
+        token: str | None = None,
+        commit_message: str = "Upload TLT drafter",
+    ):
+        """Save the drafter with a model card and upload it to the Hub as `repo_id`. Returns the commit info."""
+        from huggingface_hub import HfApi
+
+        if not self.accelerator.is_main_process:
+            return None
+        api = HfApi(token=token)
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_drafter(folder)
+            (Path(folder) / "README.md").write_text(self._drafter_model_card(repo_id))
+            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+            return api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message)
+
+    def _drafter_model_card(self, repo_id: str) -> str:
+        policy = self.accelerator.unwrap_model(self.model).config._name_or_path or "the policy"
+        k = self.args.num_speculative_tokens
+        if self.args.drafter_type == "eagle3":
+            method = "eagle3"
+            usage = (
+                f'llm = LLM(model="{policy}", speculative_config={{"method": "eagle3", "model": "{repo_id}", '
+                f'"num_speculative_tokens": {k}}})'
+            )
+        else:
+            method = "draft_model"
+            usage = (
+                f'llm = LLM(model="{policy}", speculative_config={{"method": "draft_model", "model": "{repo_id}", '
+                f'"num_speculative_tokens": {k}}})'
+            )
+        return (
+            f"---\nlibrary_name: trl-tlt\ntags: [trl, trl-tlt, speculative-decoding, {method}]\nbase_model: {policy}\n---\n\n"
+            f"# {repo_id}\n\nA speculative-decoding drafter ({self.args.drafter_type}) for `{policy}`, trained with "
+            "trl-tlt during GRPO (TLT, *Taming the Long Tail*).\n\n"
+            f"## Serve with vLLM\n\n```python\nfrom vllm import LLM\n\n{usage}\n```\n"
+        )
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self._trainable_drafter() is not None and self.args.should_save:
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            self.save_drafter(os.path.join(self._get_output_dir(trial=trial), folder, DRAFTER_DIR))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = Path(resume_from_checkpoint) / DRAFTER_DIR
+        drafter = self._trainable_drafter()
+        if drafter is None or not path.is_dir():
+            return
+        if isinstance(drafter, Eagle3Model):
+            policy = self.accelerator.unwrap_model(self.model)
+            self.tlt_drafter = Eagle3Drafter(Eagle3Model.from_pretrained(path, policy))
+        elif (path / "adapter_model.safetensors").is_file():
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(drafter, load_file(str(path / "adapter_model.safetensors")))
+        else:
+            drafter.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
