@@ -1,8 +1,9 @@
 """The main job (`make demo`): GRPO with TLTGRPOTrainer on the embedded workload, built offline.
 
-Builds (or reuses from the cache) the embedded SFT policy of `trl_tlt.workload`, then runs a short GRPO run with
-`TLTGRPOTrainer` (n-gram drafter, bandit selector) and prints a per-step table: reward, rollout seconds, acceptance
-length, speculated fraction. Nothing is downloaded.
+Builds (or reuses from the cache) the embedded SFT policy of `trl_tlt.workload` and its warm-start EAGLE-3
+drafter, then runs a short GRPO run with `TLTGRPOTrainer` (EAGLE-3 drafter, bandit selector), prints a per-step
+table (reward, rollout seconds, acceptance length, speculated fraction), exports the drafter and prints how to
+serve it with vLLM. Nothing is downloaded.
 
     python -m trl_tlt.demo [--steps 10] [--output-dir DIR]
 """
@@ -27,9 +28,10 @@ def main() -> None:
     from transformers.trainer_callback import PrinterCallback
 
     from trl_tlt import TLTConfig, TLTGRPOTrainer
-    from trl_tlt.workload import accuracy_reward, build_policy, make_dataset
+    from trl_tlt.workload import accuracy_reward, build_eagle3_drafter, build_policy, make_dataset
 
     policy_path = build_policy(cache_dir=args.cache_dir)
+    drafter_path = build_eagle3_drafter(cache_dir=args.cache_dir)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="trl-tlt-demo-")
     config = TLTConfig(
         output_dir=output_dir,
@@ -46,7 +48,8 @@ def main() -> None:
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
-        drafter_type="ngram",
+        drafter_type="eagle3",
+        drafter_model_name_or_path=str(drafter_path),
     )
 
     columns = ("step", "reward", "rollout s", "step s", "accept len", "spec frac", "active bs")
@@ -78,7 +81,14 @@ def main() -> None:
     )
     trainer.remove_callback(PrinterCallback)  # the table above replaces the raw log dicts
     trainer.train()
+    export = os.path.join(output_dir, "drafter")
+    trainer.save_drafter(export)
     print(f"demo finished: {trainer.state.global_step} GRPO steps with TLT; run in {output_dir}")
+    print(
+        "serve the policy with its drafter in vLLM:\n"
+        f'  LLM(model="{policy_path}", speculative_config={{"method": "eagle3", "model": "{export}", '
+        f'"num_speculative_tokens": {config.num_speculative_tokens}}})'
+    )
 
 
 if __name__ == "__main__":

@@ -285,6 +285,83 @@ def build_draft_lm(
     return _build_sft_model(path, AutoTokenizer.from_pretrained(policy_path), num_hidden_layers, recipe, verbose)
 
 
+@dataclasses.dataclass(frozen=True)
+class DrafterRecipe:
+    """The embedded EAGLE-3 drafter's warm start (its hash, with the policy's, is the cache key).
+
+    The policy completes `num_prompts` RL-task prompts at temperature 1; the head trains `epochs` passes over them
+    (rows of `max_tokens_per_batch` packed tokens); acceptance is measured on `num_eval_prompts` held-out prompts.
+    """
+
+    num_prompts: int = 2000
+    num_eval_prompts: int = 64
+    epochs: int = 5
+    learning_rate: float = 2e-3
+    max_tokens_per_batch: int = 1024
+    ttt_length: int = 4
+    seed: int = 0
+
+    def key(self) -> str:
+        payload = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def build_eagle3_drafter(
+    recipe: PolicyRecipe | None = None,
+    drafter_recipe: DrafterRecipe | None = None,
+    cache_dir: str | Path | None = None,
+    verbose: bool = True,
+) -> Path:
+    """The embedded policy's warm-start EAGLE-3 drafter (`drafter_training.warm_start_drafter`), cached.
+
+    Its `train_report.json` holds the acceptance length at k = 4 before and after training.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .drafter_training import DistillConfig, warm_start_drafter
+    from .sampling import SamplingParams
+
+    recipe, drafter_recipe = recipe or PolicyRecipe(), drafter_recipe or DrafterRecipe()
+    policy_path = build_policy(recipe, cache_dir, verbose)
+    path = policy_path.parent / f"eagle3-{recipe.key()}-{drafter_recipe.key()}"
+    if (path / "config.json").exists():
+        return path
+    start = time.perf_counter()
+    if verbose:
+        print(f"warm-starting {path.name} (EAGLE-3 drafter) ...", flush=True)
+    policy = AutoModelForCausalLM.from_pretrained(policy_path).eval()
+    policy.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    torch.manual_seed(drafter_recipe.seed)
+    r = drafter_recipe
+    params = SamplingParams(temperature=1.0, max_new_tokens=512, eos_token_ids=(tokenizer.eos_token_id,))
+    tmp = path.with_name(path.name + ".tmp")
+    report = warm_start_drafter(
+        policy,
+        prompt_token_ids(tokenizer, make_dataset(r.num_prompts, seed=r.seed + 2)["prompt"]),
+        tmp,
+        params,
+        eval_prompts=prompt_token_ids(tokenizer, make_dataset(r.num_eval_prompts, seed=r.seed + 3)["prompt"]),
+        epochs=r.epochs,
+        learning_rate=r.learning_rate,
+        config=DistillConfig(ttt_length=r.ttt_length, max_tokens_per_batch=r.max_tokens_per_batch),
+        k=4,
+        seed=r.seed,
+        progress=verbose,
+    )
+    (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(r), indent=2))
+    tmp.rename(path)  # atomic: a half-trained drafter is never picked up
+    if verbose:
+        before, after = report["before"]["mean_acceptance_length"], report["after"]["mean_acceptance_length"]
+        print(
+            f"{path.name} built in {time.perf_counter() - start:.0f}s: acceptance length at k=4 {before:.2f} -> "
+            f"{after:.2f}",
+            flush=True,
+        )
+    return path
+
+
 def prompt_token_ids(tokenizer, prompts) -> list[list[int]]:
     """Token ids of conversational prompts, rendered with the chat template as `GRPOTrainer` does."""
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
