@@ -28,7 +28,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
-from trl_tlt.workload import accuracy_reward, build_draft_lm, build_policy, evaluate_policy, make_dataset  # noqa: E402
+from trl_tlt.workload import (  # noqa: E402
+    accuracy_reward,
+    build_draft_lm,
+    build_eagle3_drafter,
+    build_policy,
+    evaluate_policy,
+    make_dataset,
+)
 
 
 def timed(trainer_cls):
@@ -71,7 +78,8 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
     if name == "grpo":
         trainer_cls, config = timed(GRPOTrainer), GRPOConfig(**common)
     else:
-        drafter = {"drafter_model_name_or_path": str(build_draft_lm())} if args.drafter_type == "model" else {}
+        warm_start = {"model": build_draft_lm, "eagle3": build_eagle3_drafter}.get(args.drafter_type)
+        drafter = {"drafter_model_name_or_path": str(warm_start())} if warm_start else {}
         trainer_cls = timed(TLTGRPOTrainer)
         config = TLTConfig(**common, drafter_type=args.drafter_type, **drafter)
     model = AutoModelForCausalLM.from_pretrained(policy_path)
@@ -113,7 +121,9 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=512)
     parser.add_argument("--learning-rate", type=float, default=5e-5)
     parser.add_argument(
-        "--drafter-type", default="model", help="TLT drafter: model (the 1-layer draft LM), ngram, none"
+        "--drafter-type",
+        default="eagle3",
+        help="TLT drafter: eagle3 (warm-start head), model (1-layer draft LM), ngram, none",
     )
     parser.add_argument("--eval-problems", type=int, default=64)
     parser.add_argument("--cache-dir", default=None)
