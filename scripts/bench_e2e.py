@@ -171,6 +171,7 @@ def main() -> None:
         "batch": f"{args.num_prompts} prompts x {args.num_generations} generations",
         "max_completion_length": args.max_completion_length,
         "learning_rate": args.learning_rate,
+        "drafter_type": args.drafter_type,
         "eval_accuracy_before": before,
         "runs": runs,
     }
