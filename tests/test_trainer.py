@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
-from trl_tlt.drafters.eagle3 import Eagle3Model, eagle3_config
+from trl_tlt.drafters.eagle3 import Eagle3Model
 
 
 PROMPTS = ["12+34=", "The quick", "1 2 3", "hello world"]
@@ -64,9 +64,7 @@ def test_private_hooks_we_override_still_exist():
 
 def eagle3_checkpoint(model_dir, path):
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
-    head = Eagle3Model(eagle3_config(policy.config), policy.get_input_embeddings())
-    head.init_from_policy(policy)
-    head.save_pretrained(path)
+    Eagle3Model.for_policy(policy).save_pretrained(path)
     return str(path)
 
 

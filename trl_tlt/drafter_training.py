@@ -367,7 +367,7 @@ def warm_start_drafter(
     from pathlib import Path
 
     from .drafters import ModelDrafter
-    from .drafters.eagle3 import Eagle3Drafter, eagle3_config
+    from .drafters.eagle3 import Eagle3Drafter
 
     start = time.perf_counter()
     if completions is None:
@@ -382,9 +382,7 @@ def warm_start_drafter(
         counts = torch.zeros(vocab)
         for s in samples:
             counts += torch.bincount(torch.tensor(s.token_ids[s.prompt_length :]), minlength=vocab)[:vocab]
-        cfg = eagle3_config(policy.config, aux_hidden_state_layer_ids, draft_vocab_size)
-        model = Eagle3Model(cfg, policy.get_input_embeddings()).to(policy.device)
-        model.init_from_policy(policy, counts)
+        model = Eagle3Model.for_policy(policy, aux_hidden_state_layer_ids, draft_vocab_size, counts)
         make = Eagle3Drafter
     else:
         model = drafter

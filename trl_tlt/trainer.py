@@ -24,7 +24,7 @@ from trl.models import unwrap_model_for_generation
 
 from .config import TLTConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
-from .drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
+from .drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from .engine import FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine
 from .sampling import SamplingParams
 from .selector import BanditSpeculation
@@ -121,10 +121,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             "drafter_type='eagle3' without drafter_model_name_or_path: a new, untrained EAGLE-3 head accepts almost "
             "nothing. Warm-start one with scripts/train_drafter.py and pass its directory."
         )
-        head = Eagle3Model(eagle3_config(policy.config), policy.get_input_embeddings())
-        head.to(device=policy.device, dtype=policy.get_input_embeddings().weight.dtype)
-        head.init_from_policy(policy)
-        return head
+        return Eagle3Model.for_policy(policy).to(dtype=policy.get_input_embeddings().weight.dtype)
 
     def _build_speculation(self) -> SpeculationPolicy:
         if self.tlt_drafter is None:
@@ -237,19 +234,11 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     def _drafter_model_card(self, repo_id: str) -> str:
         policy = self.accelerator.unwrap_model(self.model).config._name_or_path or "the policy"
-        k = self.args.num_speculative_tokens
-        if self.args.drafter_type == "eagle3":
-            method = "eagle3"
-            usage = (
-                f'llm = LLM(model="{policy}", speculative_config={{"method": "eagle3", "model": "{repo_id}", '
-                f'"num_speculative_tokens": {k}}})'
-            )
-        else:
-            method = "draft_model"
-            usage = (
-                f'llm = LLM(model="{policy}", speculative_config={{"method": "draft_model", "model": "{repo_id}", '
-                f'"num_speculative_tokens": {k}}})'
-            )
+        method = "eagle3" if self.args.drafter_type == "eagle3" else "draft_model"
+        usage = (
+            f'llm = LLM(model="{policy}", speculative_config={{"method": "{method}", "model": "{repo_id}", '
+            f'"num_speculative_tokens": {self.args.num_speculative_tokens}}})'
+        )
         return (
             f"---\nlibrary_name: trl-tlt\ntags: [trl, trl-tlt, speculative-decoding, {method}]\nbase_model: {policy}\n---\n\n"
             f"# {repo_id}\n\nA speculative-decoding drafter ({self.args.drafter_type}) for `{policy}`, trained with "

@@ -102,6 +102,12 @@ def accuracy_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
+def recipe_key(recipe) -> str:
+    """Cache key of a recipe dataclass: a hash of every field."""
+    payload = json.dumps(dataclasses.asdict(recipe), sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class PolicyRecipe:
     """Everything that determines the embedded policy; its hash is the cache key.
@@ -129,8 +135,7 @@ class PolicyRecipe:
     sft_learning_rate: float = 1e-3
 
     def key(self) -> str:
-        payload = json.dumps(dataclasses.asdict(self), sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+        return recipe_key(self)
 
 
 def default_cache_dir() -> Path:
@@ -302,8 +307,7 @@ class DrafterRecipe:
     seed: int = 0
 
     def key(self) -> str:
-        payload = json.dumps(dataclasses.asdict(self), sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+        return recipe_key(self)
 
 
 def build_eagle3_drafter(

@@ -136,7 +136,7 @@ class Eagle3Model(nn.Module):
         embed_tokens: The policy's input embedding.
 
     Example:
-        >>> head = Eagle3Model(eagle3_config(policy.config), policy.get_input_embeddings())
+        >>> head = Eagle3Model.for_policy(policy)
         >>> head.save_pretrained("drafter/")  # loads in vLLM as speculative_config={"method": "eagle3", ...}
     """
 
@@ -152,6 +152,20 @@ class Eagle3Model(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         object.__setattr__(self, "embed_tokens", embed_tokens)  # shared, not a submodule: not saved, not trained
+
+    @classmethod
+    def for_policy(
+        cls,
+        policy: PreTrainedModel,
+        aux_hidden_state_layer_ids: list[int] | None = None,
+        draft_vocab_size: int | None = None,
+        token_counts: torch.Tensor | None = None,
+    ) -> Eagle3Model:
+        """A new head for `policy`, on its device, warm-started by `init_from_policy`."""
+        config = eagle3_config(policy.config, aux_hidden_state_layer_ids, draft_vocab_size)
+        head = cls(config, policy.get_input_embeddings()).to(policy.device)
+        head.init_from_policy(policy, token_counts)
+        return head
 
     @property
     def aux_layer_ids(self) -> list[int]:
