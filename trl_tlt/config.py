@@ -24,8 +24,8 @@ class TLTConfig(GRPOConfig):
             engine without speculation).
         drafter_model_name_or_path (`str` or `None`, *optional*, defaults to `None`):
             With `drafter_type="eagle3"`: a warm-start EAGLE-3 checkpoint (from `scripts/train_drafter.py` or
-            `save_drafter`); `None` = a new head for the policy (untrained until spot training lands, so warm-start
-            it). With `drafter_type="model"`: path or Hub id of the drafter LM (required).
+            `save_drafter`); `None` = a new head for the policy (it accepts almost nothing until trained: set
+            `spot_training=True` or warm-start it). With `drafter_type="model"`: path or Hub id of the drafter LM (required).
         num_speculative_tokens (`int`, *optional*, defaults to `4`):
             Draft length k with `speculative_selector="fixed"`; the largest k the bandit may choose otherwise.
         speculative_selector (`str`, *optional*, defaults to `"bandit"`):
@@ -35,8 +35,21 @@ class TLTConfig(GRPOConfig):
         selector_epsilon (`float`, *optional*, defaults to `0.1`):
             Exploration probability of the bandit.
         spot_training (`bool`, *optional*, defaults to `False`):
-            Train the drafter online in the rollout's idle time. Reserved: needs a trainable drafter, not
-            available in this version.
+            Train the drafter online on the policy's recent rollouts (`drafter_type="eagle3"` or `"model"`). With
+            several processes, each rank trains while its own rollouts are done and other ranks still generate,
+            and the ranks' drafters are merged before the next rollout; with one process, `spot_steps_per_rollout`
+            steps run between rollouts (their time is reported as `tlt/spot_seconds`).
+        spot_buffer_steps (`int`, *optional*, defaults to `2`):
+            Rollouts kept in the drafter's data buffer (TLT's one-step offset: the current and the previous one).
+        spot_buffer_max_tokens (`int`, *optional*, defaults to `262144`):
+            Memory budget of the data buffer in tokens; the oldest sequences are dropped beyond it.
+        spot_tokens_per_step (`int`, *optional*, defaults to `512`):
+            Packed tokens per drafter optimizer step. A rank that is idle drops its drafter step at the next phase
+            boundary once the other ranks are done, so smaller steps delay them less.
+        spot_learning_rate (`float`, *optional*, defaults to `5e-4`):
+            AdamW learning rate of the drafter (constant after 10 warm-up steps).
+        spot_steps_per_rollout (`int`, *optional*, defaults to `4`):
+            Drafter steps between two rollouts when there is a single process (no idle rank).
     """
 
     drafter_type: str = field(
@@ -63,7 +76,16 @@ class TLTConfig(GRPOConfig):
     )
     selector_epsilon: float = field(default=0.1, metadata={"help": "Exploration probability of the bandit selector."})
     spot_training: bool = field(
-        default=False, metadata={"help": "Train the drafter online in idle time (not available in this version)."}
+        default=False, metadata={"help": "Train the drafter online on recent rollouts, in the ranks' idle time."}
+    )
+    spot_buffer_steps: int = field(default=2, metadata={"help": "Rollouts kept in the drafter's data buffer."})
+    spot_buffer_max_tokens: int = field(
+        default=262_144, metadata={"help": "Memory budget of the drafter's data buffer, in tokens."}
+    )
+    spot_tokens_per_step: int = field(default=512, metadata={"help": "Packed tokens per drafter optimizer step."})
+    spot_learning_rate: float = field(default=5e-4, metadata={"help": "Learning rate of the drafter (AdamW)."})
+    spot_steps_per_rollout: int = field(
+        default=4, metadata={"help": "Drafter steps between rollouts with a single process."}
     )
 
     def __post_init__(self):
@@ -80,7 +102,20 @@ class TLTConfig(GRPOConfig):
             raise ValueError(f"`num_speculative_tokens` must be >= 1, got {self.num_speculative_tokens}.")
         if not 0 <= self.selector_epsilon <= 1:
             raise ValueError(f"`selector_epsilon` must be in [0, 1], got {self.selector_epsilon}.")
-        if self.spot_training:
+        if self.spot_training and self.drafter_type not in ("eagle3", "model"):
             raise ValueError(
-                "`spot_training=True` needs a trainable drafter, which this version does not ship; set spot_training=False."
+                f"`spot_training=True` trains the drafter, and drafter_type={self.drafter_type!r} has no weights; set "
+                "drafter_type='eagle3' (or 'model') or spot_training=False."
             )
+        if self.spot_training and self.use_vllm:
+            raise ValueError(
+                "`spot_training=True` with `use_vllm=True` is not supported yet (the vLLM drafter is not updated live); "
+                "set use_vllm=False or spot_training=False."
+            )
+        for name in ("spot_buffer_steps", "spot_buffer_max_tokens", "spot_tokens_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if self.spot_steps_per_rollout < 0:
+            raise ValueError(f"`spot_steps_per_rollout` must be >= 0, got {self.spot_steps_per_rollout}.")
+        if self.spot_learning_rate <= 0:
+            raise ValueError(f"`spot_learning_rate` must be > 0, got {self.spot_learning_rate}.")

@@ -81,7 +81,8 @@ def policy_features(
         for i, s in enumerate(batch):
             ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids)
             mask[i, : len(s.token_ids)] = 1
-        result = policy.model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+        decoder = policy.get_decoder()  # the transformer body: no vocabulary-sized logits (also through peft)
+        result = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
         aux = torch.cat([result.hidden_states[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
         for i, s in enumerate(batch):
             n = len(s.token_ids)

@@ -8,14 +8,18 @@ exactly as the parent's, so training is unchanged; only rollout time drops.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
+import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
@@ -23,16 +27,19 @@ from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
 from .config import TLTConfig
+from .drafter_training import DistillConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from .engine import FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine
 from .sampling import SamplingParams
 from .selector import BanditSpeculation
+from .spot import DataBuffer, SpotStats, SpotTrainer
 
 
 logger = logging.get_logger(__name__)
 
 DRAFTER_DIR = "drafter"  # inside every checkpoint folder
+SPOT_STATE_NAME = "spot_state.pt"  # drafter optimizer, scheduler, step count and buffer metadata (spot training)
 
 
 # GenerationConfig attributes the engine reproduces exactly; any other non-default setting is rejected.
@@ -80,6 +87,10 @@ class TLTGRPOTrainer(GRPOTrainer):
         self.tlt_drafter = self._build_drafter()
         self.tlt_speculation = self._build_speculation()
         self.tlt_last_stats: GenerationStats | None = None
+        self.tlt_spot = self._build_spot_trainer() if self.args.spot_training else None
+        self.tlt_last_spot: SpotStats | None = None
+        self._drafter_writer: threading.Thread | None = None
+        self.add_callback(_JoinDrafterWrites(self))
         # One stream per rank: ranks sample different prompts, but their noise must not be correlated either.
         seed = self.args.seed + self.accelerator.process_index
         self._tlt_generator = torch.Generator(device=self.accelerator.device).manual_seed(seed)
@@ -117,11 +128,28 @@ class TLTGRPOTrainer(GRPOTrainer):
         path = self.args.drafter_model_name_or_path
         if path is not None:
             return Eagle3Model.from_pretrained(path, policy)
-        logger.warning(
-            "drafter_type='eagle3' without drafter_model_name_or_path: a new, untrained EAGLE-3 head accepts almost "
-            "nothing. Warm-start one with scripts/train_drafter.py and pass its directory."
-        )
+        if not self.args.spot_training:
+            logger.warning(
+                "drafter_type='eagle3' without drafter_model_name_or_path or spot_training: a new EAGLE-3 head that "
+                "never trains accepts almost nothing. Set spot_training=True, or warm-start one with "
+                "scripts/train_drafter.py and pass its directory."
+            )
         return Eagle3Model.for_policy(policy).to(dtype=policy.get_input_embeddings().weight.dtype)
+
+    def _build_spot_trainer(self) -> SpotTrainer:
+        args = self.args
+        # A dedicated gloo group: the idle barrier and the merge never touch the policy's process group.
+        group = dist.new_group(backend="gloo") if self.accelerator.num_processes > 1 else None
+        return SpotTrainer(
+            self._trainable_drafter(),
+            DataBuffer(args.spot_buffer_steps, args.spot_buffer_max_tokens),
+            learning_rate=args.spot_learning_rate,
+            tokens_per_step=args.spot_tokens_per_step,
+            steps_per_rollout=args.spot_steps_per_rollout,
+            config=DistillConfig(ttt_length=args.num_speculative_tokens),
+            group=group,
+            seed=args.seed + self.accelerator.process_index,
+        )
 
     def _build_speculation(self) -> SpeculationPolicy:
         if self.tlt_drafter is None:
@@ -174,6 +202,8 @@ class TLTGRPOTrainer(GRPOTrainer):
                 pad_token_id=self._tokenizer.pad_token_id,
             )
             out = engine.generate(prompt_ids, self._sampling_params(), generator=self._tlt_generator)
+            if self.tlt_spot is not None and was_training:
+                self._spot_phase(unwrapped_model, prompt_ids, out.completion_ids)
             unwrapped_model.train(was_training)
         self._log_rollout_stats(out.stats)
         # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
@@ -195,6 +225,27 @@ class TLTGRPOTrainer(GRPOTrainer):
         }
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
+
+    def _spot_phase(self, policy, prompt_ids, completion_ids) -> None:
+        """This rank's rollouts are done: buffer them and train the drafter (idle time, or the step budget)."""
+        spot = self.tlt_spot
+        spot.buffer.add(prompt_ids, completion_ids)
+        with profiling_context(self, "tlt.spot_training"):
+            stats = spot.run_between_rollouts(policy) if spot.group is None else spot.run_while_idle(policy)
+        self.tlt_last_spot = stats
+        summary = stats.summary  # ranks' totals after the merge
+        metrics = {
+            "tlt/drafter_steps": summary["steps"],
+            "tlt/idle_seconds": summary["idle_seconds"],
+            "tlt/idle_seconds_used": summary["seconds_used"] if spot.group is not None else 0.0,
+            "tlt/spot_seconds": stats.seconds_used if spot.group is None else 0.0,
+        }
+        if summary["loss"] is not None:
+            metrics["tlt/drafter_loss"] = summary["loss"]
+        if summary["eval_acceptance_length"] is not None:
+            metrics["tlt/drafter_eval_acceptance_length"] = summary["eval_acceptance_length"]
+        for key, value in metrics.items():
+            self._metrics["train"][key].append(value)
 
     # ------------------------------------------------------------------------------ drafter checkpoints
     def _trainable_drafter(self):
@@ -248,22 +299,69 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self._trainable_drafter() is not None and self.args.should_save:
-            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            self.save_drafter(os.path.join(self._get_output_dir(trial=trial), folder, DRAFTER_DIR))
+        drafter = self._trainable_drafter()
+        if drafter is None or not self.args.should_save:
+            return
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        # Snapshot now (training goes on), write in the background to drafter.tmp, then rename: a run killed while
+        # writing leaves no half-written drafter/ behind.
+        if isinstance(drafter, Eagle3Model):
+            weights = {k: v.to("cpu", copy=True) for k, v in drafter.export_state_dict().items()}
+        else:
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()}
+        spot_state = copy.deepcopy(self.tlt_spot.state_dict()) if self.tlt_spot is not None else None
+
+        def write():
+            tmp, final = folder / f"{DRAFTER_DIR}.tmp", folder / DRAFTER_DIR
+            shutil.rmtree(tmp, ignore_errors=True)
+            drafter.save_pretrained(tmp, state_dict=weights)
+            if spot_state is not None:
+                torch.save(spot_state, tmp / SPOT_STATE_NAME)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+
+        self.join_drafter_writes()
+        self._drafter_writer = threading.Thread(target=write, name="tlt-drafter-checkpoint")
+        self._drafter_writer.start()
+
+    def join_drafter_writes(self) -> None:
+        """Wait for the background drafter checkpoint write, if any (called before the next one and at train end)."""
+        if self._drafter_writer is not None:
+            self._drafter_writer.join()
+            self._drafter_writer = None
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        path = Path(resume_from_checkpoint) / DRAFTER_DIR
         drafter = self._trainable_drafter()
-        if drafter is None or not path.is_dir():
+        if drafter is None:
             return
+        path = Path(resume_from_checkpoint) / DRAFTER_DIR
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{resume_from_checkpoint} has no {DRAFTER_DIR}/ (the run stopped before its drafter was written); "
+                "delete that checkpoint to resume from the previous one, or resume with drafter_type='none'."
+            )
+        # In place: the engine's drafter and the spot optimizer keep referring to the same parameters.
         if isinstance(drafter, Eagle3Model):
             policy = self.accelerator.unwrap_model(self.model)
-            self.tlt_drafter = Eagle3Drafter(Eagle3Model.from_pretrained(path, policy))
+            saved = Eagle3Model.from_pretrained(path, policy)
+            drafter.load_state_dict(saved.state_dict(), strict=False)
         elif (path / "adapter_model.safetensors").is_file():
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(drafter, load_file(str(path / "adapter_model.safetensors")))
         else:
             drafter.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+        spot_path = path / SPOT_STATE_NAME
+        if self.tlt_spot is not None and spot_path.is_file():
+            self.tlt_spot.load_state_dict(torch.load(spot_path, weights_only=True))
+
+
+class _JoinDrafterWrites(TrainerCallback):
+    """Finish the background drafter write before `train()` returns."""
+
+    def __init__(self, trainer: TLTGRPOTrainer):
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.join_drafter_writes()

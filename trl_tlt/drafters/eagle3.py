@@ -306,11 +306,14 @@ class Eagle3Model(nn.Module):
         )
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith(skip)}
 
-    def save_pretrained(self, path: str | Path, engine: str = "vllm") -> None:
-        """Write config.json + model.safetensors. `engine="sglang"` writes SGLang's layer ids (vLLM's + 1)."""
+    def save_pretrained(
+        self, path: str | Path, engine: str = "vllm", state_dict: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Write config.json + model.safetensors. `engine="sglang"` writes SGLang's layer ids (vLLM's + 1).
+        `state_dict`: a snapshot from `export_state_dict` to write instead of the live weights (background saves)."""
         if engine not in ("vllm", "sglang"):
             raise ValueError(f"`engine` must be 'vllm' or 'sglang', got {engine!r}.")
-        state = self.export_state_dict()
+        state = self.export_state_dict() if state_dict is None else state_dict
         check_complete(state, self.config.to_dict())
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,286 @@
+"""Spot-training benchmarks on the embedded workload (2-core CPU friendly).
+
+`--mode ddp` (under `torchrun --nproc_per_node 2`, gloo, one thread per process): blocks of `--steps` GRPO steps
+with spot training off and on, alternating, each from the same SFT policy and warm-start EAGLE-3 drafter. Records
+every step's time and, per rank and rollout, the rank's rollout seconds, its idle seconds and the drafter steps it
+took; reports the median step time with spot training on vs off (the first step of a block is warm-up, dropped).
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 scripts/bench_spot.py --mode ddp --output docs/benchmarks/spot_ddp_cpu.json
+
+`--mode adapt` (one process): GRPO with spot training from a starting drafter, while a frozen copy of that drafter
+is kept aside. Every `--eval-every` steps both drafters draft for the current policy on the same held-out prompts
+(same seed, k = 4, speculation at every step): their mean acceptance lengths, and the policy's reward, are recorded
+and plotted.
+
+    python scripts/bench_spot.py --mode adapt --steps 40 --output docs/benchmarks/spot_adapt_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+
+from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
+from trl_tlt.drafter_training import evaluate_acceptance  # noqa: E402
+from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
+from trl_tlt.sampling import SamplingParams  # noqa: E402
+from trl_tlt.workload import (  # noqa: E402
+    accuracy_reward,
+    build_eagle3_drafter,
+    build_policy,
+    make_dataset,
+    prompt_token_ids,
+)
+
+
+class Recorder(TLTGRPOTrainer):
+    """Records, per rollout, this rank's rollout seconds and spot-phase statistics."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = super()._generate_single_turn(*args, **kwargs)
+        spot = self.tlt_last_spot
+        wall = time.perf_counter() - start
+        self.trace.append(
+            {
+                "rollout_seconds": self.tlt_last_stats.total_s,
+                "phase_seconds": wall,
+                "drafter_steps": spot.steps if spot else 0,
+                "idle_seconds": spot.idle_seconds if spot else 0.0,
+                "seconds_used": spot.seconds_used if spot else 0.0,
+            }
+        )
+        return out
+
+
+def trainer_for(args, policy_path, drafter_path, output_dir, seed, spot, **overrides):
+    config = TLTConfig(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=args.num_generations,
+        gradient_accumulation_steps=args.prompts_per_rank,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        temperature=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        seed=seed,
+        disable_tqdm=True,
+        drafter_type="eagle3",
+        drafter_model_name_or_path=drafter_path,
+        spot_training=spot,
+        **overrides,
+    )
+    model = AutoModelForCausalLM.from_pretrained(policy_path)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    data = make_dataset(args.prompts_per_rank * args.world * args.steps, seed=100 + seed)
+    trainer = Recorder(
+        model=model, reward_funcs=accuracy_reward, args=config, train_dataset=data, processing_class=tokenizer
+    )
+    trainer.trace = []
+    return trainer
+
+
+def machine() -> str:
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads per process"
+    )
+
+
+def run_ddp(args) -> dict:
+    import torch.distributed as dist
+
+    policy_path, drafter_path = build_policy(verbose=False), build_eagle3_drafter(verbose=False)
+    blocks = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, spot in enumerate([False, True] * args.blocks):
+            trainer = trainer_for(args, policy_path, str(drafter_path), os.path.join(tmp, str(i)), args.seed, spot)
+            trainer.train()
+            logs = [h for h in trainer.state.log_history if "step_time" in h]
+            block = {
+                "spot_training": spot,
+                "step_time": [h["step_time"] for h in logs],
+                "reward": [h["reward"] for h in logs],
+                "mean_acceptance_length": [h.get("tlt/mean_acceptance_length") for h in logs],
+                "drafter_loss": [h.get("tlt/drafter_loss") for h in logs],
+            }
+            traces = [None] * dist.get_world_size()
+            dist.all_gather_object(traces, trainer.trace)
+            block["per_rank"] = traces
+            blocks.append(block)
+            if dist.get_rank() == 0:
+                print(
+                    f"block {i} spot={spot}: median step {statistics.median(block['step_time'][1:]):.3f}s", flush=True
+                )
+
+    def median(spot):
+        return statistics.median(t for b in blocks if b["spot_training"] == spot for t in b["step_time"][1:])
+
+    # Per rollout of the spot-on blocks: the rank that finished its rollout first, and the one that finished last.
+    rollouts = [r for b in blocks if b["spot_training"] for r in zip(*b["per_rank"])]
+    first = [min(r, key=lambda x: x["rollout_seconds"]) for r in rollouts]
+    last = [max(r, key=lambda x: x["rollout_seconds"]) for r in rollouts]
+    return {
+        "benchmark": "spot_ddp",
+        "machine": machine(),
+        "world_size": dist.get_world_size(),
+        "policy": policy_path.name,
+        "drafter": drafter_path.name,
+        "steps_per_block": args.steps,
+        "blocks": len(blocks),
+        "batch": f"{args.prompts_per_rank} prompts x {args.num_generations} generations per rank",
+        "median_step_time_off": median(False),
+        "median_step_time_on": median(True),
+        "step_time_on_over_off": median(True) / median(False),
+        "rollouts": len(rollouts),
+        "rollouts_where_first_done_rank_trained": sum(x["drafter_steps"] > 0 for x in first),
+        "rollouts_where_last_done_rank_trained": sum(x["drafter_steps"] > 0 for x in last),
+        "mean_drafter_steps_first_done_rank": statistics.mean(x["drafter_steps"] for x in first),
+        "mean_idle_seconds_first_done_rank": statistics.mean(x["idle_seconds"] for x in first),
+        "runs": blocks,
+    }
+
+
+def run_adapt(args) -> dict:
+    policy_path = build_policy(verbose=False)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=999)["prompt"])
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=args.max_completion_length, eos_token_ids=(tokenizer.eos_token_id,)
+    )
+    drafter_path = None if args.start == "new" else str(build_eagle3_drafter(verbose=False))
+    overrides = dict(
+        spot_steps_per_rollout=args.spot_steps, speculative_selector="fixed", spot_learning_rate=args.spot_lr
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = trainer_for(args, policy_path, drafter_path, tmp, args.seed, True, **overrides)
+        adaptive: Eagle3Model = trainer.tlt_drafter.model
+        frozen = copy.deepcopy(adaptive)
+        object.__setattr__(frozen, "embed_tokens", adaptive.embed_tokens)
+        frozen.requires_grad_(False)
+        curve = []
+
+        def evaluate(step):
+            policy = trainer.model.eval()
+            row = {"step": step}
+            for name, head in (("adaptive", adaptive), ("frozen", frozen)):
+                stats = evaluate_acceptance(policy, Eagle3Drafter(head), eval_prompts, params, k=4, seed=args.seed)
+                row[name] = stats["mean_acceptance_length"]
+            policy.train()
+            curve.append(row)
+            print(f"step {step}: acceptance adaptive {row['adaptive']:.3f} frozen {row['frozen']:.3f}", flush=True)
+
+        class Eval(TrainerCallback):
+            def on_step_end(self, a, state, control, **kwargs):
+                if state.global_step % args.eval_every == 0:
+                    evaluate(state.global_step)
+
+        trainer.add_callback(Eval())
+        evaluate(0)
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    last = curve[-1]
+    result = {
+        "benchmark": "spot_adapt",
+        "machine": machine(),
+        "policy": policy_path.name,
+        "start_drafter": drafter_path and os.path.basename(drafter_path) or "new EAGLE-3 head",
+        "steps": args.steps,
+        "batch": f"{args.prompts_per_rank} prompts x {args.num_generations} generations",
+        "learning_rate": args.learning_rate,
+        "spot_steps_per_rollout": args.spot_steps,
+        "spot_learning_rate": args.spot_lr,
+        "eval_prompts": args.eval_prompts,
+        "acceptance": curve,
+        "final_ratio_adaptive_over_frozen": last["adaptive"] / last["frozen"],
+        "reward": [h["reward"] for h in logs],
+        "reward_first5": statistics.mean(h["reward"] for h in logs[:5]),
+        "reward_last5": statistics.mean(h["reward"] for h in logs[-5:]),
+        "drafter_loss": [h.get("tlt/drafter_loss") for h in logs],
+        "spot_seconds": [h.get("tlt/spot_seconds") for h in logs],
+        "step_time": [h["step_time"] for h in logs],
+    }
+    if args.plot:
+        plot_adapt(result, args.plot)
+    return result
+
+
+def plot_adapt(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [r["step"] for r in result["acceptance"]]
+    ax.plot(steps, [r["adaptive"] for r in result["acceptance"]], "o-", label="adaptive (spot training)")
+    ax.plot(steps, [r["frozen"] for r in result["acceptance"]], "s--", label="frozen copy of the start")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean acceptance length (k=4)")
+    ax.set_title(f"start: {result['start_drafter']}", fontsize=9)
+    ax.legend()
+    ax2.plot(range(1, len(result["reward"]) + 1), result["reward"], color="gray")
+    ax2.set_xlabel("RL step")
+    ax2.set_ylabel("mean reward (accuracy)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mode", choices=["ddp", "adapt"], required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--blocks", type=int, default=1, help="ddp: pairs of (off, on) blocks")
+    parser.add_argument("--prompts-per-rank", type=int, default=4)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=512)
+    parser.add_argument("--learning-rate", type=float, default=5e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", choices=["warm", "new"], default="warm", help="adapt: the starting drafter")
+    parser.add_argument("--spot-steps", type=int, default=4, help="adapt: drafter steps per rollout")
+    parser.add_argument("--spot-lr", type=float, default=5e-4)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    if args.mode == "ddp":
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        args.world = dist.get_world_size()
+        result = run_ddp(args)
+        is_main = dist.get_rank() == 0
+    else:
+        args.world, is_main = 1, True
+        result = run_adapt(args)
+    if not is_main:
+        return
+    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "reward", "drafter_loss")}, indent=2))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Spot training: the data buffer's window and budget, drafter steps, preemption, and the 2-rank idle/merge protocol."""
+
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trl_tlt.drafters.eagle3 import Eagle3Model
+from trl_tlt.spot import HELD_OUT_EVERY, DataBuffer, SpotTrainer
+from trl_tlt.tiny import build_tiny_model, build_tokenizer
+
+
+def rollout(n, length, offset=0):
+    prompts = [[1, 2, 3] for _ in range(n)]
+    completions = [[4 + (offset + i + t) % 50 for t in range(length)] for i in range(n)]
+    return prompts, completions
+
+
+def test_buffer_keeps_the_last_rollouts_and_holds_out_every_eighth():
+    buffer = DataBuffer(window=2, max_tokens=10**6)
+    for step in range(3):
+        buffer.add(*rollout(8, 5 + step))
+    assert len(buffer.rollouts) == 2  # the current and the previous rollout
+    lengths = {len(s.token_ids) - s.prompt_length for s in buffer.samples}
+    assert lengths == {6, 7}
+    assert len(buffer.held_out) == 8 // HELD_OUT_EVERY
+    assert len(buffer.samples) == 2 * (8 - 8 // HELD_OUT_EVERY)
+    assert not any(s in buffer.samples for s in buffer.held_out)
+
+
+def test_buffer_budget_drops_the_oldest_and_skips_empty_completions():
+    buffer = DataBuffer(window=4, max_tokens=60)
+    buffer.add([[1, 2]] * 4, [[3] * 8, [], [3] * 8, [3] * 8])  # 3 samples of 10 tokens
+    buffer.add(*rollout(4, 7))  # 4 more of 10 tokens: 70 > 60
+    assert buffer.num_tokens == 60
+    assert [len(r) for r in buffer.rollouts] == [2, 4]  # one of the first rollout's samples went
+    batch = buffer.sample(25, random.Random(0))
+    assert 1 <= len(batch) and sum(len(s.token_ids) for s in batch) <= 25
+    with pytest.raises(ValueError, match="window"):
+        DataBuffer(window=0)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    tokenizer = build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120)
+    torch.manual_seed(0)
+    return build_tiny_model(tokenizer, arch="qwen2", hidden_size=64, num_hidden_layers=3, num_attention_heads=2).eval()
+
+
+def spot_trainer(policy, **kwargs):
+    torch.manual_seed(0)
+    buffer = DataBuffer(window=2)
+    prompts, completions = rollout(16, 20)
+    buffer.add(prompts, completions)
+    return SpotTrainer(Eagle3Model.for_policy(policy), buffer, learning_rate=3e-3, warmup_steps=1, **kwargs)
+
+
+def test_drafter_steps_lower_the_loss_and_leave_the_policy_alone(policy):
+    spot = spot_trainer(policy, tokens_per_step=256)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    losses = [spot.step(policy) for _ in range(30)]
+    assert all(loss is not None for loss in losses)
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    assert all(torch.equal(v, policy.state_dict()[k]) for k, v in before.items())
+    assert spot.total_steps == 30
+    assert spot.evaluate(policy) > 1.0  # held-out top-1 agreement now non-zero
+
+
+def test_a_preempted_step_changes_nothing(policy):
+    spot = spot_trainer(policy)
+    before = [p.clone() for p in spot.params]
+    assert spot.step(policy, preempt=lambda: True) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, spot.params, strict=True))
+    assert spot.total_steps == 0
+
+
+def test_single_process_budget(policy):
+    spot = spot_trainer(policy, steps_per_rollout=3)
+    stats = spot.run_between_rollouts(policy)
+    assert stats.steps == 3 and stats.summary["steps"] == 3 and stats.seconds_used > 0
+    assert stats.idle_seconds == 0 and stats.summary["loss"] is not None
+
+
+def _two_ranks(rank, init_file, results, policy_state):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    tokenizer = build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120)
+    policy = build_tiny_model(tokenizer, arch="qwen2", hidden_size=64, num_hidden_layers=3, num_attention_heads=2)
+    policy.load_state_dict(policy_state)
+    policy.eval()
+    torch.manual_seed(rank)  # different initial heads: the first-rank broadcast must make them equal
+    buffer = DataBuffer(window=2)
+    buffer.add(*rollout(16, 20, offset=rank))
+    group = dist.new_group(backend="gloo")
+    spot = SpotTrainer(Eagle3Model.for_policy(policy), buffer, tokens_per_step=128, group=group, seed=rank)
+    start = [p.detach().clone() for p in spot.params]
+    if rank == 1:
+        time.sleep(1.5)  # rank 1 is still "generating"
+    stats = spot.run_while_idle(policy)
+    flat = torch.cat([p.detach().reshape(-1) for p in spot.params]).clone()
+    results[rank] = {
+        "steps": stats.steps,
+        "idle": stats.idle_seconds,
+        "summary": stats.summary,
+        "flat": flat,
+        "start": torch.cat([p.detach().reshape(-1) for p in start]),
+    }
+    dist.destroy_process_group()
+
+
+def test_two_ranks_train_while_idle_and_merge():
+    policy = build_tiny_model(
+        build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120),
+        arch="qwen2",
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+    )
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(
+                _two_ranks,
+                args=(os.path.join(tmp, "init"), results, policy.state_dict()),
+                nprocs=2,
+                join=True,
+                start_method="spawn",
+            )
+        first, second = results[0], results[1]
+    assert torch.equal(first["start"], second["start"])  # broadcast from the first rank
+    assert first["steps"] > 0 and second["steps"] == 0  # the rank done first trains, the other does not wait
+    assert first["idle"] > 1.0 and second["idle"] < 0.5
+    assert torch.equal(first["flat"], second["flat"])  # merged: both ranks hold the same drafter
+    assert not torch.equal(first["flat"], first["start"])  # ... the one the idle rank trained
+    assert first["summary"]["steps"] == first["steps"] and first["summary"]["loss"] is not None

@@ -1,0 +1,303 @@
+"""Spot training: the drafter learns from recent rollouts in the time a rank would otherwise idle.
+
+`DataBuffer` keeps the token sequences of the last `window` rollouts (TLT's one-step-offset rule: the previous
+rollout's long sequences balance the current one's early finishers), bounded by a token budget; every eighth
+sequence is held out for evaluation. The policy's hidden states are recomputed per drafter step (one no-grad
+forward over the step's packed tokens), so the buffer holds token ids only.
+
+`SpotTrainer` runs drafter optimizer steps:
+- with several processes, on each rank from the moment its own rollouts are done until every rank's are: an
+  asynchronous barrier on a dedicated gloo group is polled between (and inside) drafter steps, so the rank that
+  finishes last never waits for more than one phase of a drafter step; then the ranks' drafters are merged by
+  parameter averaging weighted by the steps each took, before anyone returns to RL work;
+- with one process (no idle rank), `steps_per_rollout` steps between rollouts, timed and reported.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from .drafter_training import DistillConfig, DrafterSample, eagle3_loss, lm_distill_loss, pack, policy_features
+from .drafters.eagle3 import Eagle3Model
+
+
+HELD_OUT_EVERY = 8  # every 8th buffered sequence is held out for `evaluate`
+
+
+class DataBuffer:
+    """Prompt + completion token ids of the last `window` rollouts, at most `max_tokens` tokens in all.
+
+    Args:
+        window: Rollouts kept (TLT's one-step offset: 2 = the current and the previous rollout).
+        max_tokens: Memory budget in tokens (8 bytes each); the oldest sequences go first when it is exceeded.
+    """
+
+    def __init__(self, window: int = 2, max_tokens: int = 262_144):
+        if window < 1:
+            raise ValueError(f"`window` must be >= 1, got {window}.")
+        if max_tokens < 1:
+            raise ValueError(f"`max_tokens` must be >= 1, got {max_tokens}.")
+        self.window, self.max_tokens = window, max_tokens
+        self.rollouts: deque[list[DrafterSample]] = deque()
+        self.held_out: list[DrafterSample] = []  # of the latest rollout only: "recent"
+        self.num_added = 0
+
+    def add(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
+        """One rollout; empty completions are skipped (nothing to learn)."""
+        train, held_out = [], []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            if not completion:
+                continue
+            sample = DrafterSample(list(prompt) + list(completion), len(prompt))
+            self.num_added += 1
+            (held_out if self.num_added % HELD_OUT_EVERY == 0 else train).append(sample)
+        self.rollouts.append(train)
+        self.held_out = held_out
+        while len(self.rollouts) > self.window:
+            self.rollouts.popleft()
+        while self.num_tokens > self.max_tokens and any(self.rollouts):
+            oldest = next(r for r in self.rollouts if r)
+            oldest.pop(0)
+
+    @property
+    def samples(self) -> list[DrafterSample]:
+        return [s for rollout in self.rollouts for s in rollout]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    def sample(self, max_tokens: int, rng: random.Random) -> list[DrafterSample]:
+        """Sequences drawn uniformly without replacement until `max_tokens` (at least one, if any)."""
+        pool = self.samples
+        rng.shuffle(pool)
+        batch, total = [], 0
+        for s in pool:
+            if batch and total + len(s.token_ids) > max_tokens:
+                break
+            batch.append(s)
+            total += len(s.token_ids)
+        return batch
+
+    def state_dict(self) -> dict:
+        """Metadata only (the sequences are refilled by the next rollout)."""
+        return {"window": self.window, "max_tokens": self.max_tokens, "num_added": self.num_added}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_added = int(state["num_added"])
+
+
+@dataclass
+class SpotStats:
+    """What one spot phase (between the end of this rank's rollout and the next RL work) did on this rank."""
+
+    idle_seconds: float = 0.0  # this rank's wait for the others (0 with one process)
+    seconds_used: float = 0.0  # time spent on drafter steps (and held-out evaluation)
+    steps: int = 0  # drafter optimizer steps completed
+    preempted: int = 0  # drafter steps abandoned because the other ranks were done
+    losses: list[float] = field(default_factory=list)
+    eval_acceptance_length: float | None = None  # estimate on the latest rollout's held-out sequences
+    summary: dict = field(default_factory=dict)  # over all ranks: total steps, mean seconds, mean loss
+
+    def _local_totals(self) -> list[float]:
+        evaluated = self.eval_acceptance_length is not None
+        return [
+            float(self.steps), self.idle_seconds, self.seconds_used, sum(self.losses),
+            self.eval_acceptance_length or 0.0, float(evaluated), 1.0,
+        ]  # fmt: skip
+
+    def summarize(self, totals: list[float]) -> None:
+        steps, idle, used, loss_sum, eval_sum, evaluated, ranks = totals
+        self.summary = {
+            "steps": steps,
+            "idle_seconds": idle / ranks,
+            "seconds_used": used / ranks,
+            "loss": loss_sum / steps if steps else None,
+            "eval_acceptance_length": eval_sum / evaluated if evaluated else None,
+        }
+
+
+class SpotTrainer:
+    """Online drafter training (EAGLE-3 head or small LM) on a `DataBuffer` of the policy's rollouts.
+
+    Args:
+        drafter: The drafter's model, trained in place (the generation engine sees every update).
+        learning_rate: AdamW learning rate (constant after `warmup_steps`).
+        tokens_per_step: Packed tokens per drafter optimizer step (smaller = finer preemption).
+        steps_per_rollout: Drafter steps between rollouts with one process.
+        config: TTT / loss settings.
+        group: Process group for the idle barrier and the merge (a dedicated gloo group), or None for one process.
+    """
+
+    def __init__(
+        self,
+        drafter: Eagle3Model | PreTrainedModel,
+        buffer: DataBuffer,
+        learning_rate: float = 5e-4,
+        tokens_per_step: int = 512,
+        steps_per_rollout: int = 4,
+        warmup_steps: int = 10,
+        config: DistillConfig | None = None,
+        group=None,
+        seed: int = 0,
+    ):
+        self.drafter, self.buffer, self.group = drafter, buffer, group
+        self.tokens_per_step, self.steps_per_rollout = tokens_per_step, steps_per_rollout
+        self.config = config or DistillConfig()
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("The drafter has no trainable parameters: nothing for spot training to train.")
+        self.optimizer = torch.optim.AdamW(self.params, lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / max(warmup_steps, 1))
+        )
+        self.rng = random.Random(seed)
+        self.total_steps = 0
+        if group is not None:
+            self._broadcast_from_first_rank()
+
+    @property
+    def is_eagle(self) -> bool:
+        return isinstance(self.drafter, Eagle3Model)
+
+    # ------------------------------------------------------------------------------------------ one step
+    def _loss(self, policy: PreTrainedModel, features) -> tuple[torch.Tensor, dict[str, float]]:
+        head_weight = policy.get_output_embeddings().weight
+        if self.is_eagle:  # one packed row: the sample is already at most tokens_per_step long
+            return eagle3_loss(self.drafter, head_weight, pack(features, 1 << 62)[0], self.config)
+        return lm_distill_loss(self.drafter, head_weight, features, self.config.chunk_size)
+
+    def _features(self, policy: PreTrainedModel, samples: list[DrafterSample]):
+        aux_ids = self.drafter.aux_layer_ids if self.is_eagle else []
+        return policy_features(policy, samples, aux_ids, batch_size=len(samples))
+
+    def step(self, policy: PreTrainedModel, preempt=None) -> float | None:
+        """One drafter optimizer step on a sample of the buffer; returns its loss, or None if there was nothing to
+        train on or `preempt()` became true at a phase boundary (after the policy forward, after the drafter's
+        forward): the step is then dropped whole, the drafter and optimizer untouched."""
+        preempt = preempt or (lambda: False)
+        samples = self.buffer.sample(self.tokens_per_step, self.rng)
+        if not samples:
+            return None
+        features = self._features(policy, samples)
+        if preempt():
+            return None
+        self.drafter.train()
+        try:
+            with torch.enable_grad():
+                loss, _ = self._loss(policy, features)
+                if preempt():
+                    return None
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+        finally:
+            self.drafter.eval()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.total_steps += 1
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self, policy: PreTrainedModel) -> float | None:
+        """Estimated acceptance length on the latest rollout's held-out sequences: 1 + sum_j prod_{i<=j} a_i, where
+        a_i is the drafter's top-1 agreement with the policy at draft position i (teacher forced)."""
+        held_out, total = [], 0
+        for sample in self.buffer.held_out:  # at most one step's worth of tokens: bounded, like a drafter step
+            if held_out and total + len(sample.token_ids) > self.tokens_per_step:
+                break
+            held_out.append(sample)
+            total += len(sample.token_ids)
+        if not held_out:
+            return None
+        _, metrics = self._loss(policy, self._features(policy, held_out))
+        length, run = 1.0, 1.0
+        for j in range(self.config.ttt_length if self.is_eagle else 1):
+            run *= metrics.get(f"acc_{j}", 0.0)
+            length += run
+        return length
+
+    # ------------------------------------------------------------------------------------------ phases
+    def run_between_rollouts(self, policy: PreTrainedModel) -> SpotStats:
+        """One process: `steps_per_rollout` drafter steps, timed (this time is added to the RL step)."""
+        stats = SpotStats()
+        start = time.perf_counter()
+        stats.eval_acceptance_length = self.evaluate(policy)
+        for _ in range(self.steps_per_rollout):
+            loss = self.step(policy)
+            if loss is None:
+                break
+            stats.steps += 1
+            stats.losses.append(loss)
+        stats.seconds_used = time.perf_counter() - start
+        stats.summarize(stats._local_totals())
+        return stats
+
+    def run_while_idle(self, policy: PreTrainedModel) -> SpotStats:
+        """Several processes: train until every rank's rollout is done, then merge the ranks' drafters."""
+        stats = SpotStats()
+        start = time.perf_counter()
+        barrier = dist.barrier(group=self.group, async_op=True)
+        done = barrier.is_completed
+        if not done() and self.buffer.samples:
+            stats.eval_acceptance_length = self.evaluate(policy)
+            while not done():
+                loss = self.step(policy, preempt=done)
+                if loss is None:
+                    stats.preempted += 1
+                else:
+                    stats.steps += 1
+                    stats.losses.append(loss)
+            stats.seconds_used = time.perf_counter() - start
+        barrier.wait()
+        stats.idle_seconds = time.perf_counter() - start
+        self._merge(stats)
+        return stats
+
+    @torch.no_grad()
+    def _merge(self, stats: SpotStats) -> None:
+        """Parameter averaging weighted by the drafter steps each rank took (no steps anywhere: unchanged), and the
+        ranks' statistics summed, in one all-reduce on the spot group."""
+        flat = torch.cat([p.detach().float().cpu().reshape(-1) for p in self.params])
+        totals = torch.tensor(stats._local_totals(), dtype=torch.float64)
+        weighted = torch.cat([flat.double() * stats.steps, totals])
+        dist.all_reduce(weighted, group=self.group)
+        stats.summarize(weighted[-totals.numel() :].tolist())
+        total = stats.summary["steps"]
+        if total == 0:
+            return
+        merged = weighted[: flat.numel()] / total
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.copy_(merged[offset : offset + n].view_as(p).to(p.dtype))
+            offset += n
+
+    @torch.no_grad()
+    def _broadcast_from_first_rank(self) -> None:
+        for p in self.params:
+            buf = p.detach().cpu().clone()
+            dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
+            p.copy_(buf.to(p.device))
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "total_steps": self.total_steps,
+            "buffer": self.buffer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.total_steps = int(state["total_steps"])
+        self.buffer.load_state_dict(state["buffer"])
