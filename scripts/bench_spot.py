@@ -155,6 +155,10 @@ def run_ddp(args) -> dict:
         "rollouts_where_last_done_rank_trained": sum(x["drafter_steps"] > 0 for x in last),
         "mean_drafter_steps_first_done_rank": statistics.mean(x["drafter_steps"] for x in first),
         "mean_idle_seconds_first_done_rank": statistics.mean(x["idle_seconds"] for x in first),
+        # What spot training costs the step: the last rank's wait from the end of its rollout until the merge is done
+        # (the others finish their drafter phase, then the all-reduces); without spot training it waits for nobody.
+        "mean_delay_seconds_last_done_rank": statistics.mean(x["idle_seconds"] for x in last),
+        "delay_share_of_median_step": statistics.mean(x["idle_seconds"] for x in last) / median(False),
         "runs": blocks,
     }
 

@@ -153,7 +153,9 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="speculative_selector"):
         TLTConfig(**base, speculative_selector="greedy")
     with pytest.raises(ValueError, match="spot_training"):
-        TLTConfig(**base, spot_training=True)
+        TLTConfig(**base, spot_training=True, drafter_type="ngram")
+    with pytest.raises(ValueError, match="spot_tokens_per_step"):
+        TLTConfig(**base, spot_training=True, spot_tokens_per_step=0)
 
 
 def test_unsupported_generation_kwargs_are_rejected(tiny_model_dirs, tmp_path):

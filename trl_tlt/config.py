@@ -43,7 +43,7 @@ class TLTConfig(GRPOConfig):
             Rollouts kept in the drafter's data buffer (TLT's one-step offset: the current and the previous one).
         spot_buffer_max_tokens (`int`, *optional*, defaults to `262144`):
             Memory budget of the data buffer in tokens; the oldest sequences are dropped beyond it.
-        spot_tokens_per_step (`int`, *optional*, defaults to `512`):
+        spot_tokens_per_step (`int`, *optional*, defaults to `256`):
             Packed tokens per drafter optimizer step. A rank that is idle drops its drafter step at the next phase
             boundary once the other ranks are done, so smaller steps delay them less.
         spot_learning_rate (`float`, *optional*, defaults to `5e-4`):
@@ -82,7 +82,7 @@ class TLTConfig(GRPOConfig):
     spot_buffer_max_tokens: int = field(
         default=262_144, metadata={"help": "Memory budget of the drafter's data buffer, in tokens."}
     )
-    spot_tokens_per_step: int = field(default=512, metadata={"help": "Packed tokens per drafter optimizer step."})
+    spot_tokens_per_step: int = field(default=256, metadata={"help": "Packed tokens per drafter optimizer step."})
     spot_learning_rate: float = field(default=5e-4, metadata={"help": "Learning rate of the drafter (AdamW)."})
     spot_steps_per_rollout: int = field(
         default=4, metadata={"help": "Drafter steps between rollouts with a single process."}

@@ -141,7 +141,7 @@ class SpotTrainer:
         drafter: Eagle3Model | PreTrainedModel,
         buffer: DataBuffer,
         learning_rate: float = 5e-4,
-        tokens_per_step: int = 512,
+        tokens_per_step: int = 256,
         steps_per_rollout: int = 4,
         warmup_steps: int = 10,
         config: DistillConfig | None = None,
@@ -206,18 +206,23 @@ class SpotTrainer:
         return float(loss.detach())
 
     @torch.no_grad()
-    def evaluate(self, policy: PreTrainedModel) -> float | None:
+    def evaluate(self, policy: PreTrainedModel, preempt=None) -> float | None:
         """Estimated acceptance length on the latest rollout's held-out sequences: 1 + sum_j prod_{i<=j} a_i, where
-        a_i is the drafter's top-1 agreement with the policy at draft position i (teacher forced)."""
+        a_i is the drafter's top-1 agreement with the policy at draft position i (teacher forced). At most one
+        step's worth of tokens; None if there is nothing held out or `preempt()` became true after the policy
+        forward."""
         held_out, total = [], 0
-        for sample in self.buffer.held_out:  # at most one step's worth of tokens: bounded, like a drafter step
+        for sample in self.buffer.held_out:
             if held_out and total + len(sample.token_ids) > self.tokens_per_step:
                 break
             held_out.append(sample)
             total += len(sample.token_ids)
         if not held_out:
             return None
-        _, metrics = self._loss(policy, self._features(policy, held_out))
+        features = self._features(policy, held_out)
+        if preempt is not None and preempt():
+            return None
+        _, metrics = self._loss(policy, features)
         length, run = 1.0, 1.0
         for j in range(self.config.ttt_length if self.is_eagle else 1):
             run *= metrics.get(f"acc_{j}", 0.0)
@@ -247,7 +252,7 @@ class SpotTrainer:
         barrier = dist.barrier(group=self.group, async_op=True)
         done = barrier.is_completed
         if not done() and self.buffer.samples:
-            stats.eval_acceptance_length = self.evaluate(policy)
+            stats.eval_acceptance_length = self.evaluate(policy, preempt=done)
             while not done():
                 loss = self.step(policy, preempt=done)
                 if loss is None:
@@ -263,21 +268,19 @@ class SpotTrainer:
 
     @torch.no_grad()
     def _merge(self, stats: SpotStats) -> None:
-        """Parameter averaging weighted by the drafter steps each rank took (no steps anywhere: unchanged), and the
-        ranks' statistics summed, in one all-reduce on the spot group."""
-        flat = torch.cat([p.detach().float().cpu().reshape(-1) for p in self.params])
+        """Sum the ranks' statistics; if any rank trained, average the drafters weighted by the steps each took."""
         totals = torch.tensor(stats._local_totals(), dtype=torch.float64)
-        weighted = torch.cat([flat.double() * stats.steps, totals])
-        dist.all_reduce(weighted, group=self.group)
-        stats.summarize(weighted[-totals.numel() :].tolist())
-        total = stats.summary["steps"]
-        if total == 0:
+        dist.all_reduce(totals, group=self.group)
+        stats.summarize(totals.tolist())
+        total_steps = stats.summary["steps"]
+        if total_steps == 0:
             return
-        merged = weighted[: flat.numel()] / total
+        flat = torch.cat([p.detach().float().cpu().reshape(-1) for p in self.params]) * (stats.steps / total_steps)
+        dist.all_reduce(flat, group=self.group)
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.copy_(merged[offset : offset + n].view_as(p).to(p.dtype))
+            p.copy_(flat[offset : offset + n].view_as(p).to(p.dtype))
             offset += n
 
     @torch.no_grad()

@@ -1,0 +1,69 @@
+"""Helper of tests/test_trainer_spot.py (not a test): TLT GRPO with spot training on a tiny saved model.
+
+    python tests/_spot_run.py MODEL_DIR OUTPUT_DIR MAX_STEPS [SAVE_STEPS]    (also under torchrun)
+"""
+
+import json
+import os
+import sys
+
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
+
+
+PROMPTS = ["12+34=", "The quick", "1 2 3", "hello world"]
+
+
+def reward_len(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def make_trainer(model_dir, output_dir, max_steps, save_steps=0):
+    torch.set_num_threads(1)
+    args = TLTConfig(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=max_steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        seed=0,
+        disable_tqdm=True,
+        spot_training=True,
+        spot_tokens_per_step=64,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return TLTGRPOTrainer(
+        model=model, reward_funcs=reward_len, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 50})
+    )
+
+
+if __name__ == "__main__":
+    model_dir, output_dir, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    trainer = make_trainer(model_dir, output_dir, max_steps, int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    flat = torch.cat([p.detach().reshape(-1) for p in trainer.tlt_spot.params])
+    report = {
+        "rank": rank,
+        "world_size": trainer.accelerator.num_processes,
+        "drafter_sum": float(flat.double().sum()),
+        "drafter_abs_sum": float(flat.double().abs().sum()),
+        "total_steps": trainer.tlt_spot.total_steps,
+        "logs": [{k: v for k, v in h.items() if k.startswith("tlt/")} for h in trainer.state.log_history],
+    }
+    with open(os.path.join(output_dir, f"report-{rank}.json"), "w") as f:
+        json.dump(report, f)

@@ -1,0 +1,115 @@
+"""TLTGRPOTrainer with spot training: metrics, the drafter learning, checkpoints after a kill, 2 processes."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from trl_tlt.trainer import DRAFTER_DIR, SPOT_STATE_NAME
+
+
+HELPER = str(Path(__file__).with_name("_spot_run.py"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _spot_run import make_trainer  # noqa: E402
+
+
+def test_single_process_trains_the_drafter_between_rollouts(tiny_model_dirs, tmp_path):
+    trainer = make_trainer(tiny_model_dirs["qwen2"], str(tmp_path), max_steps=3)
+    start = [p.detach().clone() for p in trainer.tlt_spot.params]
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "tlt/drafter_steps" in h]
+    assert len(logs) == 3
+    for h in logs:
+        assert h["tlt/drafter_steps"] == trainer.args.spot_steps_per_rollout
+        assert h["tlt/spot_seconds"] > 0 and h["tlt/idle_seconds"] == 0 and h["tlt/idle_seconds_used"] == 0
+        assert h["tlt/drafter_loss"] > 0
+    assert trainer.tlt_spot.total_steps == 3 * trainer.args.spot_steps_per_rollout
+    assert any(not torch.equal(a, b) for a, b in zip(start, trainer.tlt_spot.params, strict=True))
+    # the engine drafts with the trained parameters (same objects)
+    assert trainer.tlt_drafter.model is trainer.tlt_spot.drafter
+
+
+def test_killed_run_resumes_with_policy_and_drafter_intact(tiny_model_dirs, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, HELPER, tiny_model_dirs["qwen2"], str(out), "500", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.time() + 240
+        while not (out / "checkpoint-4" / DRAFTER_DIR).is_dir():
+            assert proc.poll() is None and time.time() < deadline, "training stopped before checkpoint-4"
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    complete = sorted(
+        (p for p in out.glob("checkpoint-*") if (p / DRAFTER_DIR).is_dir() and (p / "trainer_state.json").is_file()),
+        key=lambda p: int(p.name.split("-")[1]),
+    )
+    checkpoint = complete[-1]
+    step = int(checkpoint.name.split("-")[1])
+    assert not list(checkpoint.glob("*.tmp"))  # the drafter is renamed into place only once fully written
+
+    seen = {}
+
+    class Snapshot(TrainerCallback):  # after the checkpoint is loaded, before any new step
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen["policy"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            seen["drafter"] = trainer.tlt_drafter.model.export_state_dict()
+            seen["spot_steps"] = trainer.tlt_spot.total_steps
+            seen["global_step"] = state.global_step
+
+    trainer = make_trainer(tiny_model_dirs["qwen2"], str(tmp_path / "resumed"), max_steps=step + 1)
+    trainer.add_callback(Snapshot())
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert seen["global_step"] == step
+    for name, tensor in load_file(str(checkpoint / "model.safetensors")).items():
+        assert torch.equal(seen["policy"][name], tensor), name
+    for name, tensor in load_file(str(checkpoint / DRAFTER_DIR / "model.safetensors")).items():
+        assert torch.equal(seen["drafter"][name], tensor), name
+    spot_state = torch.load(checkpoint / DRAFTER_DIR / SPOT_STATE_NAME, weights_only=True)
+    assert seen["spot_steps"] == spot_state["total_steps"] == step * trainer.args.spot_steps_per_rollout
+    assert trainer.state.global_step == step + 1
+
+
+def test_checkpoint_without_drafter_is_refused(tiny_model_dirs, tmp_path):
+    trainer = make_trainer(tiny_model_dirs["qwen2"], str(tmp_path), max_steps=1, save_steps=1)
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    shutil.rmtree(checkpoint / DRAFTER_DIR)  # as if killed while writing it
+    resumed = make_trainer(tiny_model_dirs["qwen2"], str(tmp_path), max_steps=2)
+    with pytest.raises(FileNotFoundError, match="delete that checkpoint"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_two_processes_under_torchrun(tiny_model_dirs, tmp_path):
+    """gloo, one thread per process: both ranks end with the same (merged) drafter; metrics are logged."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531"]
+    result = subprocess.run(
+        [*cmd, HELPER, tiny_model_dirs["qwen2"], str(tmp_path), "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in (0, 1)]
+    assert reports[0]["world_size"] == 2
+    assert reports[0]["drafter_sum"] == reports[1]["drafter_sum"]
+    assert reports[0]["drafter_abs_sum"] == reports[1]["drafter_abs_sum"]
+    logs = [h for h in reports[0]["logs"] if "tlt/idle_seconds" in h]
+    assert len(logs) == 3
+    assert all(h["tlt/spot_seconds"] == 0 and h["tlt/idle_seconds"] >= 0 for h in logs)
