@@ -22,6 +22,7 @@ import copy
 import json
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -112,7 +113,12 @@ def run_ddp(args) -> dict:
     blocks = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, spot in enumerate([False, True] * args.blocks):
-            trainer = trainer_for(args, policy_path, str(drafter_path), os.path.join(tmp, str(i)), args.seed, spot)
+            overrides = {"speculative_selector": args.selector, "spot_learning_rate": args.spot_lr}
+            if args.greedy:  # identical rollouts with and without spot training (GRPO then learns nothing)
+                overrides["generation_kwargs"] = {"do_sample": False}
+            trainer = trainer_for(
+                args, policy_path, str(drafter_path), os.path.join(tmp, str(i)), args.seed, spot, **overrides
+            )
             trainer.train()
             logs = [h for h in trainer.state.log_history if "step_time" in h]
             block = {
@@ -131,8 +137,19 @@ def run_ddp(args) -> dict:
                     f"block {i} spot={spot}: median step {statistics.median(block['step_time'][1:]):.3f}s", flush=True
                 )
 
+    def times(spot):
+        return [t for b in blocks if b["spot_training"] == spot for t in b["step_time"][1:]]
+
     def median(spot):
-        return statistics.median(t for b in blocks if b["spot_training"] == spot for t in b["step_time"][1:])
+        return statistics.median(times(spot))
+
+    # 95% bootstrap interval of the ratio of medians (steps resampled within each arm)
+    rng = random.Random(0)
+    ratios = sorted(
+        statistics.median(rng.choices(times(True), k=len(times(True))))
+        / statistics.median(rng.choices(times(False), k=len(times(False))))
+        for _ in range(2000)
+    )
 
     # Per rollout of the spot-on blocks: the rank that finished its rollout first, and the one that finished last.
     rollouts = [r for b in blocks if b["spot_training"] for r in zip(*b["per_rank"])]
@@ -150,6 +167,11 @@ def run_ddp(args) -> dict:
         "median_step_time_off": median(False),
         "median_step_time_on": median(True),
         "step_time_on_over_off": median(True) / median(False),
+        "step_time_on_over_off_95ci": [ratios[50], ratios[1949]],
+        "steps_per_arm": len(times(True)),
+        "sampling": "greedy" if args.greedy else "temperature 1",
+        "selector": args.selector,
+        "spot_learning_rate": args.spot_lr,
         "rollouts": len(rollouts),
         "rollouts_where_first_done_rank_trained": sum(x["drafter_steps"] > 0 for x in first),
         "rollouts_where_last_done_rank_trained": sum(x["drafter_steps"] > 0 for x in last),
@@ -260,9 +282,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start", choices=["warm", "new"], default="warm", help="adapt: the starting drafter")
     parser.add_argument("--spot-steps", type=int, default=4, help="adapt: drafter steps per rollout")
-    parser.add_argument("--spot-lr", type=float, default=5e-4)
+    parser.add_argument("--spot-lr", type=float, default=1e-4)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument("--selector", default="fixed", help="ddp: speculative_selector (fixed = deterministic)")
+    parser.add_argument("--greedy", action="store_true", help="ddp: greedy rollouts (identical with spot on/off)")
     parser.add_argument("--plot", default=None)
     parser.add_argument("--output", default=None)
     args = parser.parse_args()

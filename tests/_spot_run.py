@@ -1,6 +1,6 @@
 """Helper of tests/test_trainer_spot.py (not a test): TLT GRPO with spot training on a tiny saved model.
 
-    python tests/_spot_run.py MODEL_DIR OUTPUT_DIR MAX_STEPS [SAVE_STEPS]    (also under torchrun)
+python tests/_spot_run.py MODEL_DIR OUTPUT_DIR MAX_STEPS [SAVE_STEPS]    (also under torchrun)
 """
 
 import json

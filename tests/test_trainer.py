@@ -218,3 +218,81 @@ def test_model_free_drafter_has_nothing_to_save(tiny_model_dirs, tmp_path):
     trainer = train_one_step(TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, drafter_type="ngram")
     with pytest.raises(ValueError, match="drafter_type='eagle3' or 'model'"):
         trainer.save_drafter(tmp_path / "d")
+
+
+def reward_digits(completions, **kwargs):
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(sum(ch.isdigit() for ch in t)) for t in texts]
+
+
+DROP_IN_CASES = {
+    "conversational": {},
+    "several_rewards": {"reward_weights": [1.0, 0.5]},
+    "lora": {},
+    "beta": {"beta": 0.1},
+    "num_iterations": {"num_iterations": 2},
+    "grad_accumulation": {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4},
+}
+
+
+@pytest.mark.parametrize("case", list(DROP_IN_CASES))
+def test_drop_in_script_runs_unchanged(tiny_model_dirs, tmp_path, case):
+    """The same script with GRPOTrainer -> TLTGRPOTrainer: greedy completions and trained weights are equal."""
+    from peft import LoraConfig
+
+    seen = {"grpo": [], "tlt": []}
+
+    def script(name, trainer_cls, config_cls, **tlt_args):
+        def reward(completions, **kwargs):
+            seen[name].extend(str(c) for c in completions)
+            return reward_len(completions)
+
+        if case == "conversational":
+            prompts = [[{"role": "user", "content": p}] for p in PROMPTS * 2]
+        else:
+            prompts = PROMPTS * 2
+        rewards = [reward, reward_digits] if case == "several_rewards" else reward
+        args = config_cls(
+            **config_kwargs(
+                tmp_path / name, max_steps=2, generation_kwargs={"do_sample": False}, **DROP_IN_CASES[case]
+            ),
+            **tlt_args,
+        )
+        trainer = trainer_cls(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]),
+            reward_funcs=rewards,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if case == "lora" else None,
+        )
+        trainer.train()
+        assert trainer.state.global_step == 2
+        return trainer
+
+    grpo = script("grpo", GRPOTrainer, GRPOConfig)
+    tlt = script("tlt", TLTGRPOTrainer, TLTConfig, speculative_selector="fixed", num_speculative_tokens=3)
+    assert seen["tlt"] == seen["grpo"] and seen["tlt"]
+    assert tlt.tlt_last_stats.num_draft_tokens > 0
+    for (name, p_base), (_, p_tlt) in zip(grpo.model.named_parameters(), tlt.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p_tlt, p_base, msg=name)
+
+
+def test_policy_as_its_own_drafter_accepts_everything(tiny_model_dirs, tmp_path):
+    """drafter_type='model' with the policy itself: every draft is accepted, so acceptance length = k + 1 (here
+    exactly: max_completion_length leaves no draft cut short by the length limit)."""
+    k = 3
+    trainer = train_one_step(
+        TLTGRPOTrainer,
+        TLTConfig,
+        tiny_model_dirs["qwen2"],
+        tmp_path,
+        drafter_type="model",
+        drafter_model_name_or_path=tiny_model_dirs["qwen2"],
+        speculative_selector="fixed",
+        num_speculative_tokens=k,
+        max_completion_length=1 + 4 * (k + 1),  # the prefill's token, then 4 full speculative steps
+        generation_kwargs={"do_sample": False},
+    )
+    stats = trainer.tlt_last_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # every drafted token accepted
+    assert stats.mean_acceptance_length == k + 1

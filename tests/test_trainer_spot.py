@@ -68,7 +68,7 @@ def test_killed_run_resumes_with_policy_and_drafter_intact(tiny_model_dirs, tmp_
     class Snapshot(TrainerCallback):  # after the checkpoint is loaded, before any new step
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             seen["policy"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            seen["drafter"] = trainer.tlt_drafter.model.export_state_dict()
+            seen["drafter"] = {k: v.clone() for k, v in trainer.tlt_drafter.model.export_state_dict().items()}
             seen["spot_steps"] = trainer.tlt_spot.total_steps
             seen["global_step"] = state.global_step
 
