@@ -51,8 +51,39 @@ def make_trainer(model_dir, output_dir, max_steps, save_steps=0):
     )
 
 
+def drop_in(model_dir, output_dir, max_steps, trainer_name):
+    from trl import GRPOConfig, GRPOTrainer
+
+    trainer_cls, config_cls = (GRPOTrainer, GRPOConfig) if trainer_name == "grpo" else (TLTGRPOTrainer, TLTConfig)
+    seen = []
+
+    def reward(completions, **kwargs):
+        seen.extend(completions)
+        return reward_len(completions)
+
+    torch.set_num_threads(1)
+    args = config_cls(
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=12, max_steps=max_steps, learning_rate=1e-2, logging_steps=1,
+        save_strategy="no", seed=0, disable_tqdm=True, generation_kwargs={"do_sample": False},
+    )  # fmt: skip
+    trainer = trainer_cls(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 50}),
+    )
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    with open(os.path.join(output_dir, f"{trainer_name}-{rank}.json"), "w") as f:
+        json.dump({"completions": seen, "world_size": trainer.accelerator.num_processes}, f)
+
+
 if __name__ == "__main__":
     model_dir, output_dir, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if os.environ.get("TRAINER"):
+        drop_in(model_dir, output_dir, max_steps, os.environ["TRAINER"])
+        sys.exit(0)
     trainer = make_trainer(model_dir, output_dir, max_steps, int(sys.argv[4]) if len(sys.argv) > 4 else 0)
     trainer.train()
     rank = trainer.accelerator.process_index

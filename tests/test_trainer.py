@@ -51,6 +51,8 @@ def train_one_step(trainer_cls, config_cls, model_dir, tmp_path, **overrides):
 
 
 def test_private_hooks_we_override_still_exist():
+    params = list(inspect.signature(GRPOTrainer.__init__).parameters)
+    assert params[:4] == ["self", "model", "reward_funcs", "args"]  # TLTGRPOTrainer passes these on positionally
     params = list(inspect.signature(GRPOTrainer._generate_single_turn).parameters)
     assert params == ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"]
     assert hasattr(GRPOTrainer, "_generate_and_score_completions")

@@ -113,3 +113,21 @@ def test_two_processes_under_torchrun(tiny_model_dirs, tmp_path):
     logs = [h for h in reports[0]["logs"] if "tlt/idle_seconds" in h]
     assert len(logs) == 3
     assert all(h["tlt/spot_seconds"] == 0 and h["tlt/idle_seconds"] >= 0 for h in logs)
+
+
+def test_drop_in_under_torchrun(tiny_model_dirs, tmp_path):
+    """The same 2-process script with GRPOTrainer and with TLTGRPOTrainer: every rank sees the same completions."""
+    for name, port in (("grpo", "29532"), ("tlt", "29533")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+        result = subprocess.run(
+            [*cmd, HELPER, tiny_model_dirs["qwen2"], str(tmp_path), "2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TRAINER": name},
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        grpo = json.loads((tmp_path / f"grpo-{rank}.json").read_text())
+        tlt = json.loads((tmp_path / f"tlt-{rank}.json").read_text())
+        assert tlt["world_size"] == 2 and tlt["completions"] == grpo["completions"] and tlt["completions"]
