@@ -31,6 +31,17 @@ from .drafters.eagle3 import Eagle3Model
 HELD_OUT_EVERY = 8  # every 8th buffered sequence is held out for `evaluate`
 
 
+def take_tokens(samples: list[DrafterSample], max_tokens: int) -> list[DrafterSample]:
+    """The leading sequences that fit in `max_tokens` (at least one, if any)."""
+    taken, total = [], 0
+    for s in samples:
+        if taken and total + len(s.token_ids) > max_tokens:
+            break
+        taken.append(s)
+        total += len(s.token_ids)
+    return taken
+
+
 class DataBuffer:
     """Prompt + completion token ids of the last `window` rollouts, at most `max_tokens` tokens in all.
 
@@ -78,13 +89,7 @@ class DataBuffer:
         """Sequences drawn uniformly without replacement until `max_tokens` (at least one, if any)."""
         pool = self.samples
         rng.shuffle(pool)
-        batch, total = [], 0
-        for s in pool:
-            if batch and total + len(s.token_ids) > max_tokens:
-                break
-            batch.append(s)
-            total += len(s.token_ids)
-        return batch
+        return take_tokens(pool, max_tokens)
 
     def state_dict(self) -> dict:
         """Metadata only (the sequences are refilled by the next rollout)."""
@@ -211,12 +216,7 @@ class SpotTrainer:
         a_i is the drafter's top-1 agreement with the policy at draft position i (teacher forced). At most one
         step's worth of tokens; None if there is nothing held out or `preempt()` became true after the policy
         forward."""
-        held_out, total = [], 0
-        for sample in self.buffer.held_out:
-            if held_out and total + len(sample.token_ids) > self.tokens_per_step:
-                break
-            held_out.append(sample)
-            total += len(sample.token_ids)
+        held_out = take_tokens(self.buffer.held_out, self.tokens_per_step)
         if not held_out:
             return None
         features = self._features(policy, held_out)
