@@ -282,7 +282,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start", choices=["warm", "new"], default="warm", help="adapt: the starting drafter")
     parser.add_argument("--spot-steps", type=int, default=4, help="adapt: drafter steps per rollout")
-    parser.add_argument("--spot-lr", type=float, default=1e-4)
+    parser.add_argument("--spot-lr", type=float, default=TLTConfig.spot_learning_rate)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-prompts", type=int, default=32)
     parser.add_argument("--selector", default="fixed", help="ddp: speculative_selector (fixed = deterministic)")

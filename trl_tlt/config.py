@@ -46,7 +46,7 @@ class TLTConfig(GRPOConfig):
         spot_tokens_per_step (`int`, *optional*, defaults to `256`):
             Packed tokens per drafter optimizer step. A rank that is idle drops its drafter step at the next phase
             boundary once the other ranks are done, so smaller steps delay them less.
-        spot_learning_rate (`float`, *optional*, defaults to `1e-4`):
+        spot_learning_rate (`float`, *optional*, defaults to `3e-5`):
             AdamW learning rate of the drafter (constant after 10 warm-up steps).
         spot_steps_per_rollout (`int`, *optional*, defaults to `4`):
             Drafter steps between two rollouts when there is a single process (no idle rank).
@@ -83,7 +83,7 @@ class TLTConfig(GRPOConfig):
         default=262_144, metadata={"help": "Memory budget of the drafter's data buffer, in tokens."}
     )
     spot_tokens_per_step: int = field(default=256, metadata={"help": "Packed tokens per drafter optimizer step."})
-    spot_learning_rate: float = field(default=1e-4, metadata={"help": "Learning rate of the drafter (AdamW)."})
+    spot_learning_rate: float = field(default=3e-5, metadata={"help": "Learning rate of the drafter (AdamW)."})
     spot_steps_per_rollout: int = field(
         default=4, metadata={"help": "Drafter steps between rollouts with a single process."}
     )

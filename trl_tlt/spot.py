@@ -145,7 +145,7 @@ class SpotTrainer:
         self,
         drafter: Eagle3Model | PreTrainedModel,
         buffer: DataBuffer,
-        learning_rate: float = 1e-4,
+        learning_rate: float = 3e-5,
         tokens_per_step: int = 256,
         steps_per_rollout: int = 4,
         warmup_steps: int = 10,
