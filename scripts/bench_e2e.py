@@ -39,15 +39,18 @@ from trl_tlt.workload import (  # noqa: E402
 
 
 def timed(trainer_cls):
-    """The trainer with its rollout (`_generate_single_turn`) timed into `rollout_times`."""
+    """The trainer with its rollout (`_generate_single_turn`) timed into `rollout_times`, and the lengths of its
+    completions recorded in `rollout_lengths` (one list per rollout, grouped as generated)."""
 
     class Timed(trainer_cls):
         rollout_times: list[float]
+        rollout_lengths: list[list[int]]
 
         def _generate_single_turn(self, *args, **kwargs):
             start = time.perf_counter()
             out = super()._generate_single_turn(*args, **kwargs)
             self.rollout_times.append(time.perf_counter() - start)
+            self.rollout_lengths.append([len(ids) for ids in out[0]])
             return out
 
     Timed.__name__ = trainer_cls.__name__
@@ -88,7 +91,7 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
     trainer = trainer_cls(
         model=model, reward_funcs=accuracy_reward, args=config, train_dataset=train_set, processing_class=tokenizer
     )
-    trainer.rollout_times = []
+    trainer.rollout_times, trainer.rollout_lengths = [], []
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -97,6 +100,7 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
         "reward": [h["reward"] for h in logs],
         "step_time": [h["step_time"] for h in logs],
         "rollout_time": trainer.rollout_times,
+        "rollout_lengths": trainer.rollout_lengths,
         "train_wall_seconds": wall,
     }
     if name == "tlt":
