@@ -12,10 +12,15 @@ The emitted tokens d_1..d_n, x are then distributed exactly as n+1 tokens sample
 A deterministic drafter (n-gram) has q_j = onehot(d_j): acceptance probability p_j(d_j), and the residual is
 p_{n+1} with d_{n+1} removed. Greedy decoding accepts d_j iff d_j = argmax p_j and emits argmax p_{n+1}.
 
-This is the torch reference; it is also the speculation-off path (k = 0: every row emits one token from p_1).
+`verify_reference` is the torch implementation (the CPU path); `trl_tlt.kernels.verify_triton` fuses the same
+computation into one Triton launch for CUDA. This is also the speculation-off path (k = 0: every row emits one
+token from p_1).
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 
@@ -36,12 +41,55 @@ def verify_drafts(
         num_draft_tokens: (B,) number of valid drafts per row, in [0, k].
         draft_probs: (B, k, V) draft distributions q_j, or None for a deterministic drafter (one-hot q).
         do_sample: False = greedy verification.
-        generator: Random generator for the uniforms and the final sample.
+        generator: Random generator for the uniforms (acceptance tests and the final sample).
 
     Returns:
         num_accepted_tokens (B,), next_token_ids (B,) (the corrected or bonus token), and
         emitted_logprobs (B, k+1): log p_j of d_1..d_n then of the next token at index n (the rest is garbage).
+
+    The uniforms are drawn here, then one implementation runs: the fused Triton kernel (`trl_tlt.kernels`) on CUDA,
+    `verify_reference` elsewhere; `TRL_TLT_KERNELS=torch|triton` forces one (triton on CPU needs
+    `TRITON_INTERPRET=1`). Both give the same tokens for the same uniforms.
     """
+    batch, k_plus_1, _ = target_logprobs.shape
+    device, dtype = target_logprobs.device, target_logprobs.dtype
+    if do_sample:
+        uniform_accept = torch.rand((batch, k_plus_1 - 1), generator=generator, device=device, dtype=dtype)
+        uniform_sample = torch.rand((batch,), generator=generator, device=device, dtype=dtype)
+    else:
+        uniform_accept = uniform_sample = None
+    args = (target_logprobs, draft_token_ids, num_draft_tokens, draft_probs, uniform_accept, uniform_sample)
+    if use_triton(device):
+        from .kernels import verify_triton
+
+        return verify_triton(*args)
+    return verify_reference(*args)
+
+
+def use_triton(device: torch.device) -> bool:
+    """Which verification runs: `TRL_TLT_KERNELS` (auto, torch, triton); auto = Triton on CUDA when importable."""
+    choice = os.environ.get("TRL_TLT_KERNELS", "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"TRL_TLT_KERNELS must be auto, torch or triton, got {choice!r}.")
+    if choice != "auto":
+        return choice == "triton"
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def verify_reference(
+    target_logprobs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    uniform_accept: torch.Tensor | None,
+    uniform_sample: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch implementation of `verify_drafts` given its uniforms (None: greedy verification).
+
+    The next token is sampled by inverse CDF: the first token whose cumulative (unnormalised) probability exceeds
+    u x total; were rounding to leave none, the last token with positive probability.
+    """
+    do_sample = uniform_accept is not None
     batch, k_plus_1, vocab = target_logprobs.shape
     k = k_plus_1 - 1
     device = target_logprobs.device
@@ -50,14 +98,12 @@ def verify_drafts(
     drafts = draft_token_ids.clamp(min=0)
 
     if do_sample:
-        target_probs = target_logprobs.exp()  # (B, k+1, V)
-        p_draft = target_probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # (B, k)
+        p_draft = target_logprobs[:, :k].gather(-1, drafts[..., None]).squeeze(-1).exp()  # (B, k)
         if draft_probs is None:
             q_draft = torch.ones_like(p_draft)
         else:
             q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
-        uniform = torch.rand((batch, k), generator=generator, device=device, dtype=p_draft.dtype)
-        accepted = (uniform * q_draft <= p_draft) & valid
+        accepted = (uniform_accept * q_draft <= p_draft) & valid
     else:
         accepted = (target_logprobs[:, :k].argmax(dim=-1) == drafts) & valid
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # (B,)
@@ -79,7 +125,7 @@ def verify_drafts(
             residual_ok = residual.sum(-1, keepdim=True) > 0
             residual = torch.where(residual_ok, residual, next_probs)
             next_probs = torch.where(rejected[:, None], residual, next_probs)
-        next_tokens = torch.multinomial(next_probs, 1, generator=generator).squeeze(1)
+        next_tokens = sample_inverse_cdf(next_probs, uniform_sample)
     else:
         next_tokens = next_logprobs.argmax(dim=-1)
 
@@ -88,3 +134,14 @@ def verify_drafts(
     emitted = emitted.scatter(1, num_accepted[:, None], next_tokens[:, None])
     emitted_logprobs = target_logprobs.gather(-1, emitted[..., None]).squeeze(-1)
     return num_accepted, next_tokens, emitted_logprobs
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Row-wise sample from unnormalised `probs` (B, V) with uniforms (B,) in [0, 1)."""
+    cumulative = probs.cumsum(-1)
+    target = uniform * cumulative[:, -1]
+    hit = (cumulative > target[:, None]) & (probs > 0)
+    vocab = torch.arange(probs.size(-1), device=probs.device)
+    first = torch.where(hit, vocab, probs.size(-1)).amin(-1)
+    last_positive = torch.where(probs > 0, vocab, -1).amax(-1)
+    return torch.where(first < probs.size(-1), first, last_positive)
