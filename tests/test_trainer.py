@@ -91,6 +91,14 @@ def test_trains_one_step_with_tlt_metrics(tiny_model_dirs, tmp_path, drafter_typ
     assert stats.num_prompts == 8
     if drafter_type == "none":
         assert stats.num_drafts == 0 and logged["tlt/spec_step_fraction"] == 0
+    # per batch-size bucket: the chosen k and the throughput, for every bucket the rollout went through
+    buckets = {1 << max(size - 1, 0).bit_length() for size in stats.active_batch_sizes}
+    assert 8 in buckets  # the rollout starts with 8 active sequences
+    for bucket in buckets:
+        steps = [k for size, k in zip(stats.active_batch_sizes, stats.num_speculative_tokens)
+                 if 1 << max(size - 1, 0).bit_length() == bucket]  # fmt: skip
+        assert logged[f"tlt/k_bucket_{bucket}"] == pytest.approx(sum(steps) / len(steps))
+        assert logged[f"tlt/tokens_per_second_bucket_{bucket}"] > 0
 
 
 @pytest.mark.parametrize("drafter_type", ["eagle3", "model", "ngram"])

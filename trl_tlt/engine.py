@@ -33,8 +33,8 @@ class GenerationStats:
     """Counters of one `generate` call (names as in vLLM's spec-decode metrics).
 
     `mean_acceptance_length` = 1 + num_accepted_tokens / num_drafts: tokens emitted per speculative row-step,
-    bonus included. `active_batch_sizes[i]`, `num_speculative_tokens[i]` and `drafter_names[i]` describe decode
-    step i.
+    bonus included. `active_batch_sizes[i]`, `num_speculative_tokens[i]`, `drafter_names[i]`,
+    `step_emitted_tokens[i]` and `step_seconds[i]` describe decode step i.
     """
 
     num_prompts: int = 0
@@ -47,6 +47,8 @@ class GenerationStats:
     active_batch_sizes: list[int] = field(default_factory=list)
     num_speculative_tokens: list[int] = field(default_factory=list)
     drafter_names: list[str | None] = field(default_factory=list)
+    step_emitted_tokens: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -289,7 +291,10 @@ class SpeculativeEngine:
                     stats.num_accepted_tokens_per_pos += [0] * (k - len(stats.num_accepted_tokens_per_pos))
                 for j, count in enumerate(per_pos.tolist()):
                     stats.num_accepted_tokens_per_pos[j] += count
-            self.speculation.update(active, arm, emitted, time.perf_counter() - step_start)
+            step_seconds = time.perf_counter() - step_start
+            stats.step_emitted_tokens.append(emitted)
+            stats.step_seconds.append(step_seconds)
+            self.speculation.update(active, arm, emitted, step_seconds)
 
         stats.total_s = time.perf_counter() - start
         return GenerationOutput(completion_ids=completions, logprobs=logprobs, stats=stats)

@@ -32,7 +32,7 @@ from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from .engine import FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine
 from .sampling import SamplingParams
-from .selector import BanditSpeculation
+from .selector import BanditSpeculation, batch_size_bucket
 from .spot import DataBuffer, SpotStats, SpotTrainer
 
 
@@ -223,6 +223,17 @@ class TLTGRPOTrainer(GRPOTrainer):
             "tlt/rollout_tokens_per_second": stats.num_emitted_tokens / max(stats.total_s, 1e-9),
             "tlt/mean_active_batch_size": sum(stats.active_batch_sizes) / steps,
         }
+        # per power-of-two bucket of the active batch size: the k chosen (mean) and the tokens per second
+        buckets: dict[int, list] = {}
+        for size, k, tokens, seconds in zip(
+            stats.active_batch_sizes, stats.num_speculative_tokens, stats.step_emitted_tokens, stats.step_seconds
+        ):
+            buckets.setdefault(batch_size_bucket(size), []).append((k, tokens, seconds))
+        for bucket, rows in buckets.items():
+            metrics[f"tlt/k_bucket_{bucket}"] = sum(k for k, _, _ in rows) / len(rows)
+            metrics[f"tlt/tokens_per_second_bucket_{bucket}"] = sum(t for _, t, _ in rows) / max(
+                sum(s for _, _, s in rows), 1e-9
+            )
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
 
