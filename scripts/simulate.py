@@ -1,17 +1,18 @@
 """Long-tail rollout simulator (`trl_tlt.simulator`): calibration on our CPU measurements and the TLT paper's setup.
 
-    python scripts/simulate.py measure --output docs/benchmarks/sim_calibration_cpu.json   # ~3 min, 2-core CPU
-    python scripts/simulate.py predict                                                     # seconds, no torch
+    python scripts/simulate.py measure   # ~6 min on 2 CPU cores -> docs/benchmarks/sim_calibration_cpu.json
+    python scripts/simulate.py predict   # ~10 s, numpy only -> docs/benchmarks/simulator.json, docs/scale*.png
 
-`measure` times, on the embedded policy and the machine it runs on: `transformers.generate` on 8 x 8 rollouts as
-the stock GRPOTrainer runs it (a static batch; time fitted against the longest response), and our engine's seconds per emitted token per
-sequence at each active batch size with no speculation, the n-gram drafter and the warm-start EAGLE-3 head (bandit
-selector, as TLTGRPOTrainer runs them), plus the response lengths of GRPO groups (8 prompts x 8 samples, T = 1).
+`measure` records, on the embedded policy and the machine it runs on: every decode step of `transformers.generate`
+on a static batch of 8 x 8 rows (the stock GRPOTrainer's rollout), fitted as a + b x position; our engine's seconds
+per emitted token per sequence at each active batch size, with no speculation, the n-gram drafter and the
+warm-start EAGLE-3 head (bandit selector, as TLTGRPOTrainer runs them), with each rollout's lengths and time; and a
+few steps of each trainer, to see how those costs carry into a training run.
 
-`predict` feeds those tables, the length trace and the non-rollout seconds of the end-to-end benchmark
-(docs/benchmarks/e2e_eagle3_cpu.json) into the simulator, compares its step-time ratio with the measured one
-(`calibration_error`), then predicts the TLT paper's setups (stated assumptions in PAPER_SETUPS) from 8 to 512
-GPUs. Writes docs/benchmarks/simulator.json and the PNG plots of docs/scale.md.
+`predict` feeds those costs, plus the response lengths and the non-rollout time of the end-to-end benchmark it
+predicts (docs/benchmarks/e2e_eagle3_trace_cpu.json), into the simulator and compares the step-time ratio with the
+measured one (`calibration_error`); then it predicts the TLT paper's setups (facts and assumptions in the PAPER_*
+constants) from 8 to 512 GPUs. See docs/scale.md.
 """
 
 from __future__ import annotations
@@ -282,10 +283,10 @@ def predict_cpu(calibration: dict, e2e: dict, steps: int) -> dict:
 # The TLT paper's setup as we model it. Facts (BRIEF.md section 1): 64 H100s; end-to-end speed-ups over verl;
 # speculative speed-up vs batch size BS1 3.2-3.6, BS4 ~3.0, BS16 1.9-2.7, BS32 1.7-2.5 (Qwen2.5-32B, TP4; range
 # midpoints used for every model); speculation at <= 32 running sequences; rollout ~85% of the baseline's step.
-# Assumptions (not in our sources): tensor parallel sizes, 128 prompts x 16 responses per step, log-normal
-# response lengths (median 4k tokens, sigma 0.8, 30% of the variance between prompts) clipped at the maximum
-# response length, an H100 decode step costing c(B) = c1 (1 + B / B_half) (weights read once per step, KV cache
-# per sequence), and the n-gram drafter's (TLT-Base) speed-up = 1 + (s(B) - 1) x NGRAM_GAIN.
+# Assumptions (not in our sources): tensor parallel sizes; the batch and the log-normal response lengths (chosen
+# once for all four models by a grid search on the TLT column, docs/scale.md); an H100 decode step of decode_ms at
+# batch 1 (weights / (TP x ~2.5 TB/s)) costing twice that at PAPER_B_HALF; the n-gram drafter's (TLT-Base)
+# speed-up 1 + (s(B) - 1) x NGRAM_GAIN (fitted on the TLT-Base column).
 PAPER_SPEEDUP = CostTable((1, 4, 16, 32), (3.4, 3.0, 2.3, 2.1))
 NGRAM_GAIN = 0.35
 PAPER_SETUPS = {
