@@ -1,94 +1,290 @@
-"""The main job (`make demo`): GRPO with TLTGRPOTrainer on the embedded workload, built offline.
+"""The main job (`make demo`): GRPO with TLTGRPOTrainer on the embedded workload, built offline, next to TRL's own.
 
 Builds (or reuses from the cache) the embedded SFT policy of `trl_tlt.workload` and its warm-start EAGLE-3
-drafter, then runs a short GRPO run with `TLTGRPOTrainer` (EAGLE-3 drafter, bandit selector), prints a per-step
-table (reward, rollout seconds, acceptance length, speculated fraction), exports the drafter and prints how to
-serve it with vLLM. Nothing is downloaded.
+drafter, then:
 
-    python -m trl_tlt.demo [--steps 10] [--output-dir DIR]
+1. runs GRPO with `TLTGRPOTrainer` (EAGLE-3 drafter trained online between rollouts, bandit selector), printing a
+   per-step table (reward, rollout seconds, acceptance length, speculated fraction, drafter loss) under a progress
+   bar, logging to TensorBoard, and every `--eval-every` steps measuring the acceptance length of the adaptive drafter
+   and of a frozen copy of the starting one on the same held-out prompts;
+2. runs the same GRPO with TRL's `GRPOTrainer` (same seed, prompts and settings) for comparison;
+3. writes PNG plots: acceptance length over RL steps (adaptive vs frozen), active batch size over the decode steps
+   of the longest rollout with speculation marked (the long tail), rollout time per step and reward per step (TLT
+   vs GRPO); exports the drafter and prints how to serve it with vLLM. Nothing is downloaded.
+
+    python -m trl_tlt.demo [--steps 12] [--output-dir DIR] [--plots-dir DIR] [--no-baseline]
 """
 
+from __future__ import annotations
+
 import argparse
+import copy
+import importlib.util
+import json
 import os
 import tempfile
+import time
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=10, help="GRPO steps (8 prompts x 8 samples each).")
+COLUMNS = ("step", "reward", "rollout s", "step s", "accept len", "spec frac", "drafter loss")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12, help="GRPO steps (8 prompts x 8 samples each).")
     parser.add_argument("--output-dir", default=None, help="Where to write the run (default: a temporary folder).")
+    parser.add_argument("--plots-dir", default=None, help="Where to write the PNG plots (default: OUTPUT_DIR/plots).")
+    parser.add_argument("--eval-every", type=int, default=3, help="Steps between adaptive-vs-frozen evaluations.")
+    parser.add_argument("--eval-prompts", type=int, default=32, help="Held-out prompts per evaluation.")
+    parser.add_argument("--no-baseline", action="store_true", help="Skip the GRPOTrainer comparison run.")
+    parser.add_argument("--max-completion-length", type=int, default=512)
     parser.add_argument(
         "--cache-dir", default=None, help="Policy cache (default: $TRL_TLT_CACHE or ~/.cache/trl_tlt)."
     )
-    args = parser.parse_args()
+    parser.add_argument("--policy", default=None, help="A policy directory to use instead of the embedded one.")
+    parser.add_argument(
+        "--drafter", default=None, help="With --policy: its EAGLE-3 drafter (default: a new head, trained online)."
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")
 
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOConfig, GRPOTrainer
 
     from trl_tlt import TLTConfig, TLTGRPOTrainer
-    from trl_tlt.workload import accuracy_reward, build_eagle3_drafter, build_policy, make_dataset
+    from trl_tlt.drafter_training import evaluate_acceptance
+    from trl_tlt.drafters.eagle3 import Eagle3Drafter
+    from trl_tlt.sampling import SamplingParams
+    from trl_tlt.workload import accuracy_reward, build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids
 
-    policy_path = build_policy(cache_dir=args.cache_dir)
-    drafter_path = build_eagle3_drafter(cache_dir=args.cache_dir)
+    if args.policy:
+        policy_path, drafter_path = args.policy, args.drafter
+    else:
+        policy_path = str(build_policy(cache_dir=args.cache_dir))
+        drafter_path = str(build_eagle3_drafter(cache_dir=args.cache_dir))
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="trl-tlt-demo-")
-    config = TLTConfig(
-        output_dir=output_dir,
-        use_cpu=True,
+    plots_dir = args.plots_dir or os.path.join(output_dir, "plots")
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    common = dict(
+        use_cpu=not torch.cuda.is_available(),
         bf16=False,
         gradient_checkpointing=False,
-        report_to="none",
+        report_to=["tensorboard"] if tensorboard else "none",
         per_device_train_batch_size=8,  # one prompt's group per micro-batch,
         gradient_accumulation_steps=8,  # 8 groups (64 samples) per optimizer step and per rollout
         num_generations=8,
-        max_completion_length=512,
+        max_completion_length=args.max_completion_length,
         max_steps=args.steps,
         learning_rate=5e-5,
         logging_steps=1,
         save_strategy="no",
-        disable_tqdm=True,
-        drafter_type="eagle3",
-        drafter_model_name_or_path=str(drafter_path),
+        seed=0,
     )
+    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    train_set = make_dataset(8 * args.steps, seed=2024)
+    eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=999)["prompt"])
+    eval_params = SamplingParams(
+        temperature=1.0, max_new_tokens=args.max_completion_length, eos_token_ids=(tokenizer.eos_token_id,)
+    )
+    history = {"tlt": [], "grpo": [], "acceptance": [], "tail": None}
 
-    columns = ("step", "reward", "rollout s", "step s", "accept len", "spec frac", "active bs")
+    class Progress(ProgressCallback):
+        """The progress bar without the raw log dicts (the table below replaces them)."""
+
+        def on_log(self, *a, **k):
+            pass
+
+    def quiet(trainer):
+        for callback in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(callback)
+        trainer.add_callback(Progress())
 
     class Table(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            print("".join(f"{c:>12}" for c in columns), flush=True)
+            print("".join(f"{c:>13}" for c in COLUMNS), flush=True)
 
         def on_log(self, _args, state, _control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                values = (
-                    state.global_step,
-                    logs["reward"],
-                    logs["tlt/rollout_seconds"],
-                    logs["step_time"],
-                    logs["tlt/mean_acceptance_length"],
-                    logs["tlt/spec_step_fraction"],
-                    logs["tlt/mean_active_batch_size"],
-                )
-                print("".join(f"{v:>12.3f}" if isinstance(v, float) else f"{v:>12}" for v in values), flush=True)
+            if not logs or "reward" not in logs:
+                return
+            row = {
+                "step": state.global_step,
+                "reward": logs["reward"],
+                "rollout_seconds": logs["tlt/rollout_seconds"],
+                "step_seconds": logs["step_time"],
+                "acceptance_length": logs["tlt/mean_acceptance_length"],
+                "spec_step_fraction": logs["tlt/spec_step_fraction"],
+                "drafter_loss": logs.get("tlt/drafter_loss", float("nan")),
+            }
+            history["tlt"].append(row)
+            print("".join(f"{v:>13.3f}" if isinstance(v, float) else f"{v:>13}" for v in row.values()), flush=True)
+            stats = trainer.tlt_last_stats  # keep the rollout with the most decode steps: the longest tail
+            if history["tail"] is None or len(stats.active_batch_sizes) > len(history["tail"]["active"]):
+                history["tail"] = {
+                    "step": state.global_step,
+                    "active": list(stats.active_batch_sizes),
+                    "k": list(stats.num_speculative_tokens),
+                }
 
+        def on_step_end(self, _args, state, _control, **kwargs):
+            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+                evaluate(state.global_step)
+
+    def evaluate(step):
+        policy = trainer.model
+        was_training = policy.training
+        policy.eval()
+        row = {"step": step}
+        for name, head in (("adaptive", trainer.tlt_drafter.model), ("frozen", frozen)):
+            stats = evaluate_acceptance(policy, Eagle3Drafter(head), eval_prompts, eval_params, k=4, seed=0)
+            row[name] = stats["mean_acceptance_length"]
+        policy.train(was_training)
+        history["acceptance"].append(row)
+        print(f"  step {step}: acceptance length adaptive {row['adaptive']:.2f}, frozen {row['frozen']:.2f}")
+
+    print(f"== TLTGRPOTrainer: {args.steps} steps, EAGLE-3 drafter trained between rollouts ==", flush=True)
+    drafter_kwargs = {"drafter_model_name_or_path": drafter_path} if drafter_path else {}
+    config = TLTConfig(
+        output_dir=output_dir,
+        drafter_type="eagle3",
+        spot_training=True,
+        **drafter_kwargs,
+        **common,
+    )
+    model = AutoModelForCausalLM.from_pretrained(policy_path)
     trainer = TLTGRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(policy_path),
+        model=model,
         reward_funcs=accuracy_reward,
         args=config,
-        train_dataset=make_dataset(8 * args.steps, seed=2024),
-        processing_class=AutoTokenizer.from_pretrained(policy_path, padding_side="left"),
+        train_dataset=train_set,
+        processing_class=tokenizer,
         callbacks=[Table()],
     )
-    trainer.remove_callback(PrinterCallback)  # the table above replaces the raw log dicts
+    quiet(trainer)
+    adaptive = trainer.tlt_drafter.model
+    frozen = copy.deepcopy(adaptive)
+    object.__setattr__(frozen, "embed_tokens", adaptive.embed_tokens)  # shared with the policy, not copied
+    frozen.requires_grad_(False)
+    evaluate(0)
     trainer.train()
     export = os.path.join(output_dir, "drafter")
     trainer.save_drafter(export)
-    print(f"demo finished: {trainer.state.global_step} GRPO steps with TLT; run in {output_dir}")
+
+    if not args.no_baseline:
+        print(f"== GRPOTrainer (TRL): the same {args.steps} steps, for comparison ==", flush=True)
+
+        class Timed(GRPOTrainer):
+            def _generate_single_turn(self, *a, **k):
+                start = time.perf_counter()
+                out = super()._generate_single_turn(*a, **k)
+                self.rollout_times.append(time.perf_counter() - start)
+                return out
+
+        baseline = Timed(
+            model=AutoModelForCausalLM.from_pretrained(policy_path),
+            reward_funcs=accuracy_reward,
+            args=GRPOConfig(output_dir=os.path.join(output_dir, "grpo"), **common),
+            train_dataset=train_set,
+            processing_class=tokenizer,
+        )
+        baseline.rollout_times = []
+        quiet(baseline)
+        baseline.train()
+        logs = [h for h in baseline.state.log_history if "reward" in h]
+        history["grpo"] = [
+            {"step": i + 1, "reward": h["reward"], "rollout_seconds": t, "step_seconds": h["step_time"]}
+            for i, (h, t) in enumerate(zip(logs, baseline.rollout_times))
+        ]
+
+    os.makedirs(plots_dir, exist_ok=True)
+    with open(os.path.join(plots_dir, "demo.json"), "w") as f:
+        json.dump(history, f, indent=1)
+    written = write_plots(history, plots_dir)
+    summarize(history)
+    print(f"demo finished: run in {output_dir}; plots: {', '.join(written) or 'none (matplotlib not installed)'}")
+    if tensorboard:
+        print(f"TensorBoard: tensorboard --logdir {output_dir}")
     print(
         "serve the policy with its drafter in vLLM:\n"
         f'  LLM(model="{policy_path}", speculative_config={{"method": "eagle3", "model": "{export}", '
         f'"num_speculative_tokens": {config.num_speculative_tokens}}})'
     )
+    return history
+
+
+def summarize(history: dict) -> None:
+    import statistics
+
+    tlt, grpo = history["tlt"], history["grpo"]
+    if not tlt or not grpo:
+        return
+    for key, label in (("rollout_seconds", "rollout"), ("step_seconds", "step")):
+        a, b = statistics.median(r[key] for r in grpo), statistics.median(r[key] for r in tlt)
+        print(f"median {label} time: GRPOTrainer {a:.2f} s, TLTGRPOTrainer {b:.2f} s ({a / b:.2f}x)")
+    print(
+        f"mean reward: GRPOTrainer {statistics.mean(r['reward'] for r in grpo):.3f}, "
+        f"TLTGRPOTrainer {statistics.mean(r['reward'] for r in tlt):.3f}"
+    )
+
+
+def write_plots(history: dict, plots_dir: str) -> list[str]:
+    """The demo's four PNG plots from its recorded history; returns the paths written."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name):
+        path = os.path.join(plots_dir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    if history["acceptance"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        steps = [r["step"] for r in history["acceptance"]]
+        ax.plot(steps, [r["adaptive"] for r in history["acceptance"]], marker="o", label="adaptive (trained online)")
+        ax.plot(steps, [r["frozen"] for r in history["acceptance"]], marker="s", label="frozen copy of the start")
+        ax.set(xlabel="RL step", ylabel="acceptance length (k = 4, held-out prompts)", title="Drafter acceptance")
+        ax.legend()
+        save(fig, "acceptance.png")
+    if history["tail"]:
+        tail = history["tail"]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = range(len(tail["active"]))
+        ax.plot(steps, tail["active"], color="gray", lw=1, label="active sequences")
+        speculated = [i for i, k in zip(steps, tail["k"]) if k > 0]
+        ax.scatter(speculated, [tail["active"][i] for i in speculated], s=6, color="tab:green", label="speculated")
+        ax.set(
+            xlabel="decode step",
+            ylabel="active batch size",
+            title=f"The long tail: rollout of step {tail['step']} (64 sequences)",
+        )
+        ax.legend()
+        save(fig, "tail.png")
+    for key, ylabel, name in (
+        ("rollout_seconds", "rollout time (s)", "rollout_time.png"),
+        ("reward", "mean reward", "reward.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for run, label in (("grpo", "GRPOTrainer (TRL)"), ("tlt", "TLTGRPOTrainer")):
+            if history[run]:
+                ax.plot([r["step"] for r in history[run]], [r[key] for r in history[run]], marker=".", label=label)
+        ax.set(xlabel="RL step", ylabel=ylabel)
+        ax.legend()
+        save(fig, name)
+    return written
 
 
 if __name__ == "__main__":

@@ -1,0 +1,22 @@
+"""The main job (`make demo`) end to end on a tiny policy: both trainers run, the four plots are written."""
+
+import json
+
+from trl_tlt import demo
+
+
+def test_demo_runs_and_writes_the_plots(tiny_model_dirs, tmp_path, capsys):
+    plots = tmp_path / "plots"
+    history = demo.main(
+        ["--policy", tiny_model_dirs["qwen2"], "--steps", "2", "--eval-every", "1", "--eval-prompts", "2",
+         "--max-completion-length", "8", "--output-dir", str(tmp_path / "run"), "--plots-dir", str(plots)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "drafter loss" in out and "median rollout time: GRPOTrainer" in out and "speculative_config" in out
+    assert [r["step"] for r in history["tlt"]] == [1, 2] and [r["step"] for r in history["grpo"]] == [1, 2]
+    assert [r["step"] for r in history["acceptance"]] == [0, 1, 2]  # adaptive vs frozen, before and after each step
+    assert history["tail"]["active"][0] == 64  # 8 prompts x 8 samples at the first decode step
+    for name in ("acceptance.png", "tail.png", "rollout_time.png", "reward.png"):
+        assert (plots / name).stat().st_size > 0
+    assert json.loads((plots / "demo.json").read_text())["tlt"]
+    assert (tmp_path / "run" / "drafter" / "config.json").exists()  # the exported EAGLE-3 drafter
