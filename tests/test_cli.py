@@ -1,0 +1,69 @@
+"""`trl-tlt grpo`: TRL-style CLI (YAML config, TrlParser) around TLTGRPOTrainer."""
+
+import json
+
+import pytest
+import yaml
+
+from trl_tlt import cli
+
+
+REWARD_MODULE = """
+def short(completions, **kwargs):
+    return [-float(len(str(c))) for c in completions]
+"""
+
+
+def test_yaml_recipe_trains_and_saves_policy_and_drafter(tiny_model_dirs, tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.chdir(tmp_path)  # `module:function` rewards import from the working directory, as in TRL
+    recipe = {
+        "model_name_or_path": tiny_model_dirs["qwen2"],
+        "dataset_name": "embedded",
+        "reward_funcs": ["workload_accuracy", "my_rewards:short"],
+        "output_dir": str(tmp_path / "out"),
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "max_steps": 1,
+        "save_strategy": "no",
+        "drafter_type": "eagle3",
+        "spot_training": True,
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    trainer = cli.grpo(["--config", str(tmp_path / "recipe.yaml"), "--learning_rate", "1e-3"])
+    assert trainer.state.global_step == 1 and trainer.args.learning_rate == 1e-3  # the command line overrides YAML
+    assert [f.__name__ for f in trainer.reward_funcs] == ["accuracy_reward", "short"]
+    assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out" / "drafter" / "config.json").exists()
+
+
+def test_reward_function_errors_name_the_choices():
+    with pytest.raises(ValueError, match="workload_accuracy"):
+        cli.reward_functions(["no_such_reward"])
+    with pytest.raises(ValueError, match="Cannot load reward function 'json:nope'"):
+        cli.reward_functions(["json:nope"])
+    assert cli.reward_functions(["json.dumps"]) == [json.dumps]
+
+
+def test_dataset_without_prompt_column_is_refused(tiny_model_dirs, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"question": "1+1?"}\n{"question": "2+2?"}\n')
+    with pytest.raises(ValueError, match="no `prompt` column .*question"):
+        cli.grpo(
+            ["--model_name_or_path", tiny_model_dirs["qwen2"], "--dataset_name", str(data), "--reward_funcs",
+             "workload_accuracy", "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to", "none"]
+        )  # fmt: skip
+
+
+def test_accelerate_configs_ship_with_the_package(capsys):
+    for name in ("single_gpu", "multi_gpu", "zero2", "zero3", "fsdp2"):
+        cli.main(["accelerate-config", name])
+        path = capsys.readouterr().out.strip()
+        config = yaml.safe_load(open(path))
+        assert config["distributed_type"] in ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP")
+    with pytest.raises(SystemExit):
+        cli.main(["accelerate-config", "zero9"])
