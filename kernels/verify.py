@@ -14,6 +14,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _target_and_draft_block(lp_next, q_row, v, V, rejected, d_next, HAS_Q: tl.constexpr):
+    """p and q over the vocabulary block `v` at the next-token position (q = 0 unless a draft was rejected there)."""
+    p = tl.exp(tl.load(lp_next + v, mask=v < V, other=float("-inf")))
+    if HAS_Q:
+        q = tl.where(rejected, tl.load(q_row + v, mask=v < V, other=0.0), 0.0)
+    else:
+        q = tl.where(v == d_next, 1.0, 0.0)
+    return p, q
+
+
+@triton.jit
 def _verify_kernel(
     logp_ptr,  # (B, K + 1, V) processed target log-probabilities
     draft_ptr,  # (B, K) int64 draft tokens
@@ -75,11 +86,7 @@ def _verify_kernel(
         total_p = zero
         for start in range(0, V, V_BLOCK):
             v = start + tl.arange(0, V_BLOCK)
-            p = tl.exp(tl.load(lp_next + v, mask=v < V, other=float("-inf")))
-            if HAS_Q:
-                q = tl.where(rejected, tl.load(q_ptr + (row * K + at) * V + v, mask=v < V, other=0.0), 0.0)
-            else:
-                q = tl.where(v == d_next, 1.0, 0.0)
+            p, q = _target_and_draft_block(lp_next, q_ptr + (row * K + at) * V, v, V, rejected, d_next, HAS_Q)
             total_residual += tl.sum(tl.maximum(p - q, 0.0), axis=0)
             total_p += tl.sum(p, axis=0)
         use_residual = rejected & (total_residual > 0)  # round-off guard, as in the reference
@@ -89,11 +96,7 @@ def _verify_kernel(
         last_positive = tl.full([], -1, tl.int64)
         for start in range(0, V, V_BLOCK):
             v = start + tl.arange(0, V_BLOCK)
-            p = tl.exp(tl.load(lp_next + v, mask=v < V, other=float("-inf")))
-            if HAS_Q:
-                q = tl.where(rejected, tl.load(q_ptr + (row * K + at) * V + v, mask=v < V, other=0.0), 0.0)
-            else:
-                q = tl.where(v == d_next, 1.0, 0.0)
+            p, q = _target_and_draft_block(lp_next, q_ptr + (row * K + at) * V, v, V, rejected, d_next, HAS_Q)
             r = tl.where(use_residual, tl.maximum(p - q, 0.0), p)
             positive = (r > 0) & (v < V)
             hit = ((prefix + tl.cumsum(r, axis=0)) > target) & positive
