@@ -4,9 +4,16 @@ For each seed both trainers start from the same SFT policy and train on the same
 (the order alternates between seeds). Per step it records the reward, the step time (TRL's `step_time`: rollout
 + scoring + training) and the rollout time; after training, the accuracy of the trained policy on held-out
 problems (temperature 1, 4 samples each). Writes JSON with `step_time_ratio` (GRPO / TLT), `rollout_time_ratio`,
-`reward_grpo`, `reward_tlt` (mean reward per step, averaged over seeds) and the per-seed details.
+`reward_grpo`, `reward_tlt` (mean reward per step, averaged over seeds), `reward_test` (a paired test of the
+reward curves), `profile_grpo` / `profile_tlt` (where each step's time goes: rollout, scoring, training) and the
+per-seed details.
 
     python scripts/bench_e2e.py --steps 30 --seeds 0,1 --output docs/benchmarks/e2e_cpu.json
+
+Two processes (gloo, one thread each; the batch of 8 prompts split over the ranks; a step's rollout time is the
+slowest rank's):
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 scripts/bench_e2e.py --eval-problems 0 --output e2e_2proc.json
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -24,6 +32,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -45,6 +54,7 @@ def timed(trainer_cls):
     class Timed(trainer_cls):
         rollout_times: list[float]
         rollout_lengths: list[list[int]]
+        prepare_times: list[float]  # rollout + rewards + advantages (+ log-prob passes), per rollout
 
         def _generate_single_turn(self, *args, **kwargs):
             start = time.perf_counter()
@@ -53,8 +63,56 @@ def timed(trainer_cls):
             self.rollout_lengths.append([len(ids) for ids in out[0]])
             return out
 
+        def _generate_and_score_completions(self, *args, **kwargs):
+            start = time.perf_counter()
+            out = super()._generate_and_score_completions(*args, **kwargs)
+            self.prepare_times.append(time.perf_counter() - start)
+            return out
+
     Timed.__name__ = trainer_cls.__name__
     return Timed
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def reward_comparison(runs: dict, seeds: list[int]) -> dict:
+    """Can the reward curves be told apart? Both trainers see the same prompts at each (seed, step), so the tests are
+    paired. Per step: Wilcoxon signed-rank on the differences TLT - GRPO (anti-conservative: steps of one run are
+    correlated). Per seed (the independent unit; 3 seeds or more): t-test of the seeds' mean differences."""
+    from scipy.stats import ttest_1samp, wilcoxon
+
+    per_seed = {s: [t - g for t, g in zip(runs["tlt"][s]["reward"], runs["grpo"][s]["reward"])] for s in seeds}
+    diffs = [d for s in seeds for d in per_seed[s]]
+    rng = random.Random(0)
+    means = sorted(statistics.mean(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
+    result = {
+        "test": "Wilcoxon signed-rank, paired by (seed, step), two-sided",
+        "pairs": len(diffs),
+        "mean_difference_tlt_minus_grpo": statistics.mean(diffs),
+        "mean_difference_95ci": [means[50], means[1949]],
+        "p_value": float(wilcoxon(diffs).pvalue),
+    }
+    if len(seeds) >= 3:
+        seed_means = [statistics.mean(per_seed[s]) for s in seeds]
+        result["seed_level"] = {
+            "test": "one-sample t-test of the per-seed mean differences TLT - GRPO, two-sided",
+            "seeds": len(seeds),
+            "per_seed_mean_difference": seed_means,
+            "p_value": float(ttest_1samp(seed_means, 0.0).pvalue),
+        }
+    return result
+
+
+def phase_profile(runs: dict, name: str, seeds: list[int]) -> dict:
+    """Median seconds per step of each phase, and its share of the summed step time."""
+    total = sum(t for s in seeds for t in runs[name][s]["step_time"])
+    out = {}
+    for phase in ("rollout_time", "scoring_time", "training_time"):
+        values = [t for s in seeds for t in runs[name][s][phase]]
+        out[phase] = {"median_seconds": statistics.median(values), "share": sum(values) / total}
+    return out
 
 
 def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
@@ -67,7 +125,7 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
         # One generation of prompts x generations per optimizer step, trained in micro-batches of one prompt's
         # group: each micro-batch is padded to its own longest completion, not to the long tail's.
         per_device_train_batch_size=args.num_generations,
-        gradient_accumulation_steps=args.num_prompts,
+        gradient_accumulation_steps=args.num_prompts // world_size(),
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         max_steps=args.steps,
@@ -91,15 +149,25 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
     trainer = trainer_cls(
         model=model, reward_funcs=accuracy_reward, args=config, train_dataset=train_set, processing_class=tokenizer
     )
-    trainer.rollout_times, trainer.rollout_lengths = [], []
+    trainer.rollout_times, trainer.rollout_lengths, trainer.prepare_times = [], [], []
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     logs = [h for h in trainer.state.log_history if "reward" in h]
+    rollout_times, prepare_times = trainer.rollout_times, trainer.prepare_times
+    if dist.is_initialized():  # a step waits for the slowest rank: keep each step's maximum over ranks
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (rollout_times, prepare_times))
+        rollout_times = [max(ts) for ts in zip(*(g[0] for g in gathered))]
+        prepare_times = [max(ts) for ts in zip(*(g[1] for g in gathered))]
     result = {
         "reward": [h["reward"] for h in logs],
         "step_time": [h["step_time"] for h in logs],
-        "rollout_time": trainer.rollout_times,
+        "rollout_time": rollout_times,
+        # where the step's time goes: rollout; scoring (rewards, advantages, padding; the rest of
+        # _generate_and_score_completions); training (forward, backward, optimizer: the rest of the step)
+        "scoring_time": [p - r for p, r in zip(prepare_times, rollout_times)],
+        "training_time": [st - p for st, p in zip((h["step_time"] for h in logs), prepare_times)],
         "rollout_lengths": trainer.rollout_lengths,
         "train_wall_seconds": wall,
     }
@@ -134,6 +202,11 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
 
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # under torchrun: the 2-process variant
+        dist.init_process_group("gloo")
+        if args.eval_problems or args.num_prompts % dist.get_world_size():
+            raise SystemExit("Under torchrun pass --eval-problems 0 and a --num-prompts divisible by the processes.")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
     policy_path = build_policy(cache_dir=args.cache_dir)
     seeds = [int(s) for s in args.seeds.split(",")]
     names = args.trainers.split(",")
@@ -148,16 +221,18 @@ def main() -> None:
                     model, tokenizer, make_dataset(args.eval_problems, seed=777), num_generations=4, seed=seed
                 )["accuracy"]
             for name in names if i % 2 == 0 else names[::-1]:
-                print(f"== seed {seed}: {name} ==", flush=True)
+                if main_process:
+                    print(f"== seed {seed}: {name} ==", flush=True)
                 runs[name][seed] = run(name, policy_path, seed, args, os.path.join(tmp, f"{name}-{seed}"))
                 r = runs[name][seed]
-                print(
-                    f"   median step {statistics.median(r['step_time']):.2f}s, rollout "
-                    f"{statistics.median(r['rollout_time']):.2f}s, reward first 5 steps "
-                    f"{statistics.mean(r['reward'][:5]):.3f}, last 5 {statistics.mean(r['reward'][-5:]):.3f}"
-                    + (f", eval accuracy {before[seed]:.3f} -> {r['eval_accuracy_after']:.3f}" if before else ""),
-                    flush=True,
-                )
+                if main_process:
+                    print(
+                        f"   median step {statistics.median(r['step_time']):.2f}s, rollout "
+                        f"{statistics.median(r['rollout_time']):.2f}s, reward first 5 steps "
+                        f"{statistics.mean(r['reward'][:5]):.3f}, last 5 {statistics.mean(r['reward'][-5:]):.3f}"
+                        + (f", eval accuracy {before[seed]:.3f} -> {r['eval_accuracy_after']:.3f}" if before else ""),
+                        flush=True,
+                    )
 
     def pooled(name, key):
         return statistics.median([t for seed in seeds for t in runs[name][seed][key]])
@@ -173,6 +248,7 @@ def main() -> None:
         "steps": args.steps,
         "seeds": seeds,
         "batch": f"{args.num_prompts} prompts x {args.num_generations} generations",
+        "processes": world_size(),
         "max_completion_length": args.max_completion_length,
         "learning_rate": args.learning_rate,
         "drafter_type": args.drafter_type,
@@ -186,9 +262,13 @@ def main() -> None:
             t for s in seeds for t in runs[name][s]["step_time"]
         )
         result[f"reward_{name}"] = mean_curve(name)
+        result[f"profile_{name}"] = phase_profile(runs, name, seeds)
     if {"grpo", "tlt"} <= set(names):
         result["step_time_ratio"] = result["median_step_time_grpo"] / result["median_step_time_tlt"]
         result["rollout_time_ratio"] = result["median_rollout_time_grpo"] / result["median_rollout_time_tlt"]
+        result["reward_test"] = reward_comparison(runs, seeds)
+    if not main_process:
+        return
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     if args.output:
         with open(args.output, "w") as f:
