@@ -33,6 +33,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _bench import write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -270,10 +271,7 @@ def main() -> None:
     if not main_process:
         return
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.output}")
+    write_json(result, args.output)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ tokens, and prints a table of microseconds per call and the speed-up.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 
 import torch
+from _bench import write_json
 
 from trl_tlt.kernels import verify_triton
 from trl_tlt.speculative import verify_reference
@@ -97,10 +97,7 @@ def main() -> None:
         "iters": args.iters,
         "rows": rows,
     }
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.output}")
+    write_json(result, args.output)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ as GRPO does (temperature 1). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -21,6 +20,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
+from _bench import write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters import ModelDrafter, NgramDrafter  # noqa: E402
@@ -154,10 +154,7 @@ def main() -> None:
         f"{result['speedup_vs_no_spec']:.2f}x vs speculation off (acceptance length "
         f"{result['mean_acceptance_length']:.2f}); speculation off {result['no_spec_speedup_vs_generate']:.2f}x vs generate"
     )
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.output}")
+    write_json(result, args.output)
 
 
 if __name__ == "__main__":

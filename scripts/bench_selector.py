@@ -11,7 +11,6 @@ timed. Reports total rollout time per method over the timed batches and the adap
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -22,6 +21,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
+from _bench import write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters import ModelDrafter, NgramDrafter  # noqa: E402
@@ -137,9 +137,7 @@ def main() -> None:
         f"adaptive / best fixed ({best_fixed[1]}): {result['adaptive_over_best_fixed']:.3f} (95% {low:.3f}-{high:.3f})"
     )
     print("bandit's arms per bucket:", result["bandit_best_arms"])
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.output)
 
 
 if __name__ == "__main__":

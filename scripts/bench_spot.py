@@ -32,6 +32,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
+from _bench import write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
@@ -304,10 +305,7 @@ def main() -> None:
     if not is_main:
         return
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "reward", "drafter_loss")}, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.output}")
+    write_json(result, args.output)
 
 
 if __name__ == "__main__":
