@@ -79,12 +79,8 @@ def drop_in(model_dir, output_dir, max_steps, trainer_name):
         json.dump({"completions": seen, "world_size": trainer.accelerator.num_processes}, f)
 
 
-if __name__ == "__main__":
-    model_dir, output_dir, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    if os.environ.get("TRAINER"):
-        drop_in(model_dir, output_dir, max_steps, os.environ["TRAINER"])
-        sys.exit(0)
-    trainer = make_trainer(model_dir, output_dir, max_steps, int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+def run_spot(model_dir, output_dir, max_steps, save_steps):
+    trainer = make_trainer(model_dir, output_dir, max_steps, save_steps)
     trainer.train()
     rank = trainer.accelerator.process_index
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.tlt_spot.params])
@@ -98,3 +94,15 @@ if __name__ == "__main__":
     }
     with open(os.path.join(output_dir, f"report-{rank}.json"), "w") as f:
         json.dump(report, f)
+
+
+if __name__ == "__main__":
+    model_dir, output_dir, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if os.environ.get("TRAINER"):
+        drop_in(model_dir, output_dir, max_steps, os.environ["TRAINER"])
+    else:
+        run_spot(model_dir, output_dir, max_steps, int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+    # Tear the process groups down before the interpreter exits: left to interpreter shutdown, gloo's threads can
+    # race it and abort the process ("terminate called without an active exception"), seen once in CI.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
