@@ -18,7 +18,6 @@ and plotted.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -200,9 +199,7 @@ def run_adapt(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = trainer_for(args, policy_path, drafter_path, tmp, args.seed, True, **overrides)
         adaptive: Eagle3Model = trainer.tlt_drafter.model
-        frozen = copy.deepcopy(adaptive)
-        object.__setattr__(frozen, "embed_tokens", adaptive.embed_tokens)
-        frozen.requires_grad_(False)
+        frozen = adaptive.frozen_copy()
         curve = []
 
         def evaluate(step):

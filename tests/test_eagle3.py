@@ -126,3 +126,13 @@ def test_incomplete_export_raises(policy64, tmp_path):
     with pytest.raises(ValueError, match="d2t"):
         head.save_pretrained(tmp_path / "e")
     assert not (tmp_path / "e").exists()
+
+
+def test_frozen_copy_owns_its_weights_and_shares_the_embedding(policy64):
+    head = Eagle3Model.for_policy(policy64)
+    frozen = head.frozen_copy()
+    assert frozen.embed_tokens is head.embed_tokens is policy64.get_input_embeddings()
+    assert not any(p.requires_grad for p in frozen.parameters())
+    with torch.no_grad():
+        next(head.parameters()).add_(1.0)
+    assert not torch.equal(next(head.parameters()), next(frozen.parameters()))

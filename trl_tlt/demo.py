@@ -18,7 +18,6 @@ drafter, then:
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -168,9 +167,7 @@ def main(argv=None) -> dict:
     )
     quiet(trainer)
     adaptive = trainer.tlt_drafter.model
-    frozen = copy.deepcopy(adaptive)
-    object.__setattr__(frozen, "embed_tokens", adaptive.embed_tokens)  # shared with the policy, not copied
-    frozen.requires_grad_(False)
+    frozen = adaptive.frozen_copy()
     evaluate(0)
     trainer.train()
     export = os.path.join(output_dir, "drafter")

@@ -15,6 +15,7 @@ Layer ids follow vLLM: id i is the input of policy layer i, i.e. Hugging Face's 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -323,6 +324,12 @@ class Eagle3Model(nn.Module):
             config["eagle_config"] = {**config["eagle_config"], "eagle_aux_hidden_state_layer_ids": ids}
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "engine": engine})
         (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    def frozen_copy(self) -> Eagle3Model:
+        """A copy with its own weights, frozen (e.g. to compare against as this one trains), still sharing the
+        policy's embedding."""
+        frozen = copy.deepcopy(self, memo={id(self.embed_tokens): self.embed_tokens})
+        return frozen.requires_grad_(False)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, policy: PreTrainedModel) -> Eagle3Model:
