@@ -50,6 +50,11 @@ class TLTConfig(GRPOConfig):
             AdamW learning rate of the drafter (constant after 10 warm-up steps).
         spot_steps_per_rollout (`int`, *optional*, defaults to `4`):
             Drafter steps between two rollouts when there is a single process (no idle rank).
+        vllm_speculative_max_batch_size (`int`, *optional*, defaults to `32`):
+            With `use_vllm=True, vllm_mode="colocate"`: vLLM speculates `num_speculative_tokens` while at most this
+            many sequences are running and not above (TLT's threshold; vLLM's
+            `num_speculative_tokens_per_batch_size`). `0` = speculate at every batch size. vLLM cannot run the
+            bandit selector, so this rule stands in for it there.
     """
 
     drafter_type: str = field(
@@ -88,6 +93,11 @@ class TLTConfig(GRPOConfig):
         default=4, metadata={"help": "Drafter steps between rollouts with a single process."}
     )
 
+    vllm_speculative_max_batch_size: int = field(
+        default=32,
+        metadata={"help": "vLLM colocate: speculate only while at most this many sequences run (0 = always)."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.drafter_type not in DRAFTER_TYPES:
@@ -107,10 +117,16 @@ class TLTConfig(GRPOConfig):
                 f"`spot_training=True` trains the drafter, and drafter_type={self.drafter_type!r} has no weights; set "
                 "drafter_type='eagle3' (or 'model') or spot_training=False."
             )
-        if self.spot_training and self.use_vllm:
+        if self.spot_training and self.use_vllm and self.vllm_mode == "server":
             raise ValueError(
-                "`spot_training=True` with `use_vllm=True` is not supported yet (the vLLM drafter is not updated live); "
-                "set use_vllm=False or spot_training=False."
+                "`spot_training=True` needs the drafter in the trainer's own process: a `trl vllm-serve` server cannot "
+                "receive live drafter updates. Use vllm_mode='colocate', or serve a fixed drafter (`trl vllm-serve "
+                "--speculative_config ...`, see docs/vllm.md) with spot_training=False."
+            )
+        if self.vllm_speculative_max_batch_size < 0:
+            raise ValueError(
+                f"`vllm_speculative_max_batch_size` must be >= 0 (0 = always speculate), got "
+                f"{self.vllm_speculative_max_batch_size}."
             )
         for name in ("spot_buffer_steps", "spot_buffer_max_tokens", "spot_tokens_per_step"):
             if getattr(self, name) < 1:

