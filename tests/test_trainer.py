@@ -8,9 +8,12 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
+from trl.generation.vllm_generation import VLLMGeneration
+from trl.trainer import grpo_trainer
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
 from trl_tlt.drafters.eagle3 import Eagle3Model
+from trl_tlt.vllm_generation import speculative_config
 
 
 PROMPTS = ["12+34=", "The quick", "1 2 3", "hello world"]
@@ -60,6 +63,11 @@ def test_private_hooks_we_override_still_exist():
     params = list(inspect.signature(GRPOTrainer._load_from_checkpoint).parameters)
     assert params == ["self", "resume_from_checkpoint", "model"]
     trainer_src = inspect.getsource(GRPOTrainer.__init__)
+    # TLTGRPOTrainer swaps the module-level VLLMGeneration that __init__ calls (keyword arguments only) for its own
+    assert "self.vllm_generation = VLLMGeneration(\n" in trainer_src and grpo_trainer.VLLMGeneration is VLLMGeneration
+    for method in ("_init_vllm", "_iter_named_params", "sync_weights", "generate"):
+        assert hasattr(VLLMGeneration, method), method
+    assert "LLM(" in inspect.getsource(VLLMGeneration._init_vllm)  # the call TLTVLLMGeneration adds kwargs to
     for attribute in ("self.generation_config", "self.generation_kwargs", "self._dist", "self.use_vllm"):
         assert attribute in trainer_src or attribute in inspect.getsource(GRPOTrainer), attribute
 
@@ -166,6 +174,28 @@ def test_config_errors_name_the_field(tmp_path):
         TLTConfig(**base, spot_training=True, drafter_type="ngram")
     with pytest.raises(ValueError, match="spot_tokens_per_step"):
         TLTConfig(**base, spot_training=True, spot_tokens_per_step=0)
+    with pytest.raises(ValueError, match="vllm_mode='colocate'"):
+        TLTConfig(**base, spot_training=True, use_vllm=True, vllm_mode="server")
+    with pytest.raises(ValueError, match="vllm_speculative_max_batch_size"):
+        TLTConfig(**base, vllm_speculative_max_batch_size=-1)
+    TLTConfig(**base, spot_training=True, use_vllm=True, vllm_mode="colocate")  # online drafter in vLLM: allowed
+
+
+def test_vllm_speculative_config_from_tlt_config():
+    assert speculative_config("none", None, 4, 32) is None
+    assert speculative_config("eagle3", "d", 4, 32) == {
+        "method": "eagle3",
+        "model": "d",
+        "num_speculative_tokens": 4,
+        "num_speculative_tokens_per_batch_size": [(1, 32, 4), (33, 1 << 20, 0)],
+    }
+    assert speculative_config("model", "lm", 2, 0) == {
+        "method": "draft_model",
+        "model": "lm",
+        "num_speculative_tokens": 2,
+    }
+    ngram = speculative_config("ngram", None, 3, 0)
+    assert ngram["method"] == "ngram" and ngram["prompt_lookup_max"] >= ngram["prompt_lookup_min"] >= 1
 
 
 def test_unsupported_generation_kwargs_are_rejected(tiny_model_dirs, tmp_path):
