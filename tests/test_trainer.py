@@ -68,6 +68,8 @@ def test_private_hooks_we_override_still_exist():
     for method in ("_init_vllm", "_iter_named_params", "sync_weights", "generate"):
         assert hasattr(VLLMGeneration, method), method
     assert "LLM(" in inspect.getsource(VLLMGeneration._init_vllm)  # the call TLTVLLMGeneration adds kwargs to
+    # sleep mode: generate() re-pushes the weights through sync_weights(), which TLTVLLMGeneration extends with the drafter
+    assert "self.sync_weights()" in inspect.getsource(VLLMGeneration.generate)
     for attribute in ("self.generation_config", "self.generation_kwargs", "self._dist", "self.use_vllm"):
         assert attribute in trainer_src or attribute in inspect.getsource(GRPOTrainer), attribute
 
