@@ -3,7 +3,7 @@ TLTGRPOTrainer run on the embedded workload (issue #9's GPU check; runs on vllm-
 
 Two runs in one process, same policy, prompts and seed: `drafter_type="none"` (vLLM without speculation), then the
 warm-start EAGLE-3 drafter trained online (`spot_training=True`, pushed into vLLM after every update). Prints a
-table and writes JSON: per-step rollout seconds (`tlt/rollout_seconds`, weight sync included), the median over
+table and writes JSON: per-step rollout seconds (`tlt/rollout_seconds`: vLLM's generate call), the median over
 steps after the first, their ratio, and vLLM's acceptance length.
 
     python scripts/gpu_check_vllm.py --steps 6 --output gpu_check_vllm.json

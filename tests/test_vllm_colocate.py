@@ -139,7 +139,7 @@ def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenize
 
     assert trainer.state.global_step == 2
     logs = trainer.state.log_history
-    assert all("tlt/mean_acceptance_length" in log for log in logs[:2]), logs
+    assert all("tlt/mean_acceptance_length" in log and log["tlt/rollout_seconds"] > 0 for log in logs[:2]), logs
     assert trainer.tlt_last_vllm_stats["verify_steps"] > 0  # 8 running sequences <= 32: vLLM speculated
     # The drafter trained, and vLLM's draft model holds the trained weights (not the checkpoint it loaded).
     assert trainer.tlt_spot.total_steps == 4

@@ -275,6 +275,8 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     def _log_vllm_rollout_stats(self, seconds: float, completion_ids) -> None:
         mode = "train" if self.model.training else "eval"
+        if self.args.vllm_mode == "colocate":  # the generate call alone, as on the engine path
+            seconds = self.vllm_generation.last_generate_seconds
         tokens = sum(len(ids) for ids in completion_ids)
         metrics = {"tlt/rollout_seconds": seconds, "tlt/rollout_tokens_per_second": tokens / max(seconds, 1e-9)}
         stats = self.vllm_generation.spec_decode_stats() if self.args.vllm_mode == "colocate" else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from unittest import mock
 
 import torch
@@ -62,6 +63,7 @@ class TLTVLLMGeneration(VLLMGeneration):
         self.speculative_config = speculative_config
         self.drafter = drafter
         self.last_outputs: list = []  # vLLM's RequestOutputs of the last generate call (colocate)
+        self.last_generate_seconds: float | None = None  # its wall time
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self):
@@ -78,7 +80,9 @@ class TLTVLLMGeneration(VLLMGeneration):
 
         @functools.wraps(generate)
         def recording_generate(*args, **kwargs):
+            start = time.perf_counter()
             self.last_outputs = generate(*args, **kwargs)
+            self.last_generate_seconds = time.perf_counter() - start
             return self.last_outputs
 
         self.llm.generate = recording_generate
