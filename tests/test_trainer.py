@@ -338,3 +338,22 @@ def test_policy_as_its_own_drafter_accepts_everything(tiny_model_dirs, tmp_path)
     stats = trainer.tlt_last_stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # every drafted token accepted
     assert stats.mean_acceptance_length == k + 1
+
+
+def test_vllm_spec_decode_stats_from_per_request_histograms():
+    """Acceptance from vLLM's per-request metrics: histogram[j] = verify steps that accepted j draft tokens."""
+    from types import SimpleNamespace
+
+    from trl_tlt.vllm_generation import TLTVLLMGeneration
+
+    def request(histogram, drafted):
+        metrics = SimpleNamespace(histogram=histogram, num_draft_tokens=drafted)
+        return SimpleNamespace(outputs=[SimpleNamespace(spec_decode_metrics=metrics)])
+
+    generation = TLTVLLMGeneration.__new__(TLTVLLMGeneration)  # no engine needed for the arithmetic
+    generation.last_outputs = [request([1, 0, 2, 1], 12), request([0, 0, 0, 4], 12), request([2, 0, 0, 0], 6)]
+    stats = generation.spec_decode_stats()
+    # 10 verify steps; accepted 2*2 + 3*1 + 3*4 = 19 of 30 drafted
+    assert stats == {"verify_steps": 10.0, "mean_acceptance_length": 1 + 19 / 10, "draft_acceptance_rate": 19 / 30}
+    generation.last_outputs = [SimpleNamespace(outputs=[SimpleNamespace(spec_decode_metrics=None)])]
+    assert generation.spec_decode_stats() is None
