@@ -15,14 +15,13 @@ from unittest import mock
 import pytest
 import torch
 from datasets import Dataset
-from test_vllm_smoke import rule_sequences
+from test_vllm_smoke import rule_sequences, train_rule_policy
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
 from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.sampling import SamplingParams
-from trl_tlt.tiny import build_tiny_model
 
 
 pytestmark = pytest.mark.vllm
@@ -40,16 +39,7 @@ K = 3
 @pytest.fixture(scope="module")
 def rule_policy(tokenizer, tmp_path_factory):
     """A policy that learned x[t] = x[t-1] + x[t-2] (mod 50) and a warm-start EAGLE-3 head for it, saved."""
-    torch.manual_seed(0)
-    policy = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, seed=3)
-    g = torch.Generator().manual_seed(0)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
-    for _ in range(200):
-        x = rule_sequences(32, 32, g)
-        optimizer.zero_grad()
-        policy(x, labels=x).loss.backward()
-        optimizer.step()
-    policy.eval()
+    policy, g = train_rule_policy(tokenizer)
     head = Eagle3Model(
         eagle3_config(policy.config, aux_hidden_state_layer_ids=[1, 2, 3]), policy.get_input_embeddings()
     )

