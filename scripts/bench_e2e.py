@@ -123,8 +123,9 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
         bf16=False,
         gradient_checkpointing=False,
         report_to="none",
-        # One generation of prompts x generations per optimizer step, trained in micro-batches of one prompt's
-        # group: each micro-batch is padded to its own longest completion, not to the long tail's.
+        # One generation of prompts x generations per optimizer step, trained in micro-batches of one group's
+        # size. TRL pads the whole generation to its longest completion before shuffling it into micro-batches,
+        # so the micro-batch size does not change the padded work (scripts/bench_rollout_share.py).
         per_device_train_batch_size=args.num_generations,
         gradient_accumulation_steps=args.num_prompts // world_size(),
         num_generations=args.num_generations,
