@@ -71,3 +71,21 @@ def test_build_policy_caches_under_the_recipe_key(tmp_path, capsys):
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(draft).num_hidden_layers == 1
+
+
+def test_build_policy_is_deterministic_for_a_seed(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from trl_tlt.workload import build_policy
+
+    recipe = PolicyRecipe(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_sft_examples=64
+    )
+    weights = [
+        load_file(build_policy(r, cache_dir=tmp_path / name, verbose=False) / "model.safetensors")
+        for name, r in (("a", recipe), ("b", recipe), ("c", dataclasses.replace(recipe, seed=1)))
+    ]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
