@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -33,7 +32,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _bench import write_json  # noqa: E402
+from _bench import machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -244,8 +243,7 @@ def main() -> None:
 
     result = {
         "benchmark": "e2e",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads",
+        "machine": machine(),
         "policy": policy_path.name,
         "steps": args.steps,
         "seeds": seeds,

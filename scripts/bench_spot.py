@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -31,7 +30,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
-from _bench import write_json  # noqa: E402
+from _bench import machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
@@ -99,13 +98,6 @@ def trainer_for(args, policy_path, drafter_path, output_dir, seed, spot, **overr
     return trainer
 
 
-def machine() -> str:
-    return (
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads per process"
-    )
-
-
 def run_ddp(args) -> dict:
     import torch.distributed as dist
 
@@ -157,7 +149,7 @@ def run_ddp(args) -> dict:
     last = [max(r, key=lambda x: x["rollout_seconds"]) for r in rollouts]
     return {
         "benchmark": "spot_ddp",
-        "machine": machine(),
+        "machine": f"{machine()} per process",
         "world_size": dist.get_world_size(),
         "policy": policy_path.name,
         "drafter": drafter_path.name,
@@ -224,7 +216,7 @@ def run_adapt(args) -> dict:
     last = curve[-1]
     result = {
         "benchmark": "spot_adapt",
-        "machine": machine(),
+        "machine": f"{machine()} per process",
         "policy": policy_path.name,
         "start_drafter": drafter_path and os.path.basename(drafter_path) or "new EAGLE-3 head",
         "steps": args.steps,

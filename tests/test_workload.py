@@ -14,6 +14,12 @@ from trl_tlt.workload import (
 )
 
 
+# A policy recipe small enough to build in a test (seconds).
+TINY_RECIPE = PolicyRecipe(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_sft_examples=64
+)
+
+
 def test_solution_format_and_answer():
     assert format_solution(7, 13, 3) == "1: 7+13=20\n2: 20+13=33\n3: 33+13=46\n#### 46"
 
@@ -57,9 +63,7 @@ def test_evaluate_policy_plumbing(tokenizer):
 def test_build_policy_caches_under_the_recipe_key(tmp_path, capsys):
     from trl_tlt.workload import build_draft_lm, build_policy
 
-    recipe = PolicyRecipe(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_sft_examples=64
-    )
+    recipe = TINY_RECIPE
     path = build_policy(recipe, cache_dir=tmp_path)
     assert path.name == f"policy-{recipe.key()}" and (path / "config.json").exists()
     assert not list(tmp_path.glob("*.tmp"))  # built in a temporary folder, renamed when complete
@@ -79,9 +83,7 @@ def test_build_policy_is_deterministic_for_a_seed(tmp_path):
 
     from trl_tlt.workload import build_policy
 
-    recipe = PolicyRecipe(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_sft_examples=64
-    )
+    recipe = TINY_RECIPE
     weights = [
         load_file(build_policy(r, cache_dir=tmp_path / name, verbose=False) / "model.safetensors")
         for name, r in (("a", recipe), ("b", recipe), ("c", dataclasses.replace(recipe, seed=1)))
