@@ -1,22 +1,22 @@
 """Rollout share of the stock `GRPOTrainer` step at a forced completion length, per model shape.
 
 How much of a training step the rollout can take on this machine, independent of any policy's length
-distribution: every completion is forced to exactly `T` tokens (`generation_kwargs={"min_new_tokens": T}`, a
-randomly initialised model of the given shape with the embedded workload's tokenizer), so each step generates
-to `T` and trains on 64 rows padded to `T`, the cost of a step whose long tail reaches `T`. 8 prompts x 8
-samples per step, training micro-batches of 8 (`--micro-batch`), float32, as in `scripts/bench_e2e.py`. Per (shape, T): median
-step time (TRL's `step_time`), median rollout time (`_generate_single_turn`) and the rollout's share of the
-summed step time, the first step left out (warm-up).
+distribution: every completion is forced to exactly `T` tokens (`generation_kwargs={"min_new_tokens": T}`; a
+randomly initialised model built as `workload.build_policy` builds the policy before SFT, in the given shape,
+with the embedded workload's tokenizer), so each step generates to `T` and trains on 64 rows padded to `T`, the
+cost of a step whose long tail reaches `T`. 8 prompts x 8 samples per step, training micro-batches of 8
+(`--micro-batch`), float32, as in `scripts/bench_e2e.py`. Per (shape, T): median step time (TRL's `step_time`),
+median rollout time (`_generate_single_turn`) and the rollout's share of the summed step time, the first step
+left out (warm-up).
 
     python scripts/bench_rollout_share.py --lengths 128,256,512,1024 --shapes 128x8 \
-        --output docs/benchmarks/rollout_share_cpu.json
+        --output docs/benchmarks/rollout_share_lengths_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
 
@@ -24,36 +24,24 @@ import tempfile
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
-import torch  # noqa: E402
-from _bench import write_json  # noqa: E402
+from _bench import machine, write_json  # noqa: E402
 from bench_e2e import timed  # noqa: E402
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from trl_tlt.tiny import build_tiny_model  # noqa: E402
 from trl_tlt.workload import PolicyRecipe, accuracy_reward, build_policy, make_dataset  # noqa: E402
 
 
-def random_model(tokenizer, hidden: int, layers: int) -> Qwen2ForCausalLM:
-    """A Qwen2 of the embedded policy's proportions (heads of 32, MLP 4x hidden, tied embeddings)."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+def measure(tokenizer, hidden: int, layers: int, length: int, steps: int, micro_batch: int) -> dict:
+    # the policy's proportions (heads of 32, MLP 4x hidden), as `workload.build_policy` builds it before SFT
+    model = build_tiny_model(
+        tokenizer,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=hidden // 32,
-        num_key_value_heads=hidden // 32,
-        intermediate_size=4 * hidden,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    return Qwen2ForCausalLM(config)
-
-
-def measure(tokenizer, hidden: int, layers: int, length: int, steps: int, micro_batch: int) -> dict:
-    torch.manual_seed(0)
-    model = random_model(tokenizer, hidden, layers)
     with tempfile.TemporaryDirectory() as output_dir:
         config = GRPOConfig(
             output_dir=output_dir,
@@ -119,8 +107,7 @@ def main() -> None:
     write_json(
         {
             "benchmark": "rollout share of the stock GRPOTrainer step at forced completion lengths",
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads",
+            "machine": machine(),
             "batch": f"8 prompts x 8 samples, training micro-batches of {args.micro_batch}, float32",
             "steps_per_point": args.steps,
             "points": points,
