@@ -267,13 +267,33 @@ def reward_digits(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in t)) for t in texts]
 
 
+# GRPOConfig modes a user can set, each run by the same script with both trainers (docs/trainer.md's matrix).
 DROP_IN_CASES = {
     "conversational": {},
     "several_rewards": {"reward_weights": [1.0, 0.5]},
+    "normalize_then_sum": {"multi_objective_aggregation": "normalize_then_sum"},
     "lora": {},
     "beta": {"beta": 0.1},
+    "beta_bias_correction_kl": {"beta": 0.1, "use_bias_correction_kl": True},
     "num_iterations": {"num_iterations": 2},
+    "beta_num_iterations": {"beta": 0.1, "num_iterations": 2},
     "grad_accumulation": {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4},
+    "steps_per_generation": {"steps_per_generation": 2, "per_device_train_batch_size": 4},
+    "mask_truncated_completions": {"mask_truncated_completions": True},
+    **{f"loss_type_{t}": {"loss_type": t} for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")},
+    "loss_type_luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    "importance_sampling_sequence": {"importance_sampling_level": "sequence", "loss_type": "grpo"},
+    "scale_rewards_batch": {"scale_rewards": "batch"},
+    "scale_rewards_none": {"scale_rewards": "none"},
+    "top_entropy_quantile": {"top_entropy_quantile": 0.2},
+    "delta_epsilon_high": {"delta": 2.0, "epsilon_high": 0.28},
+    "off_policy_mask": {"off_policy_mask_threshold": 0.5},
+    "repetition_penalty": {"repetition_penalty": 1.3},
+    "gradient_checkpointing": {"gradient_checkpointing": True},
+    "harmless_generation_kwargs": {
+        "generation_kwargs": {"do_sample": False, "num_beams": 1, "length_penalty": -0.1, "early_stopping": True}
+    },
+    "suppress_tokens": {"generation_kwargs": {"do_sample": False, "suppress_tokens": list(range(40, 200))}},
 }
 
 
@@ -293,10 +313,11 @@ def test_drop_in_script_runs_unchanged(tiny_model_dirs, tmp_path, case):
             prompts = [[{"role": "user", "content": p}] for p in PROMPTS * 2]
         else:
             prompts = PROMPTS * 2
-        rewards = [reward, reward_digits] if case == "several_rewards" else reward
+        several = case in ("several_rewards", "normalize_then_sum")
+        rewards = [reward, reward_digits] if several else reward
         args = config_cls(
             **config_kwargs(
-                tmp_path / name, max_steps=2, generation_kwargs={"do_sample": False}, **DROP_IN_CASES[case]
+                tmp_path / name, max_steps=2, **{"generation_kwargs": {"do_sample": False}, **DROP_IN_CASES[case]}
             ),
             **tlt_args,
         )

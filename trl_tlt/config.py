@@ -34,6 +34,11 @@ class TLTConfig(GRPOConfig):
             batch size.
         selector_epsilon (`float`, *optional*, defaults to `0.1`):
             Exploration probability of the bandit.
+        selector_deterministic (`bool`, *optional*, defaults to `False`):
+            Reward the bandit with a modelled step cost (one policy forward plus k drafter forwards, weighted by
+            parameter count) instead of the step's wall time. Its choices, and so the completions, then depend only on
+            `seed`: a run repeats exactly (as with `speculative_selector="fixed"`), at the price of a cost model that
+            ignores the hardware.
         spot_training (`bool`, *optional*, defaults to `False`):
             Train the drafter online on the policy's recent rollouts (`drafter_type="eagle3"` or `"model"`). With
             several processes, each rank trains while its own rollouts are done and other ranks still generate,
@@ -80,6 +85,12 @@ class TLTConfig(GRPOConfig):
         },
     )
     selector_epsilon: float = field(default=0.1, metadata={"help": "Exploration probability of the bandit selector."})
+    selector_deterministic: bool = field(
+        default=False,
+        metadata={
+            "help": "Bandit rewarded by a modelled step cost instead of wall time: runs repeat exactly per seed."
+        },
+    )
     spot_training: bool = field(
         default=False, metadata={"help": "Train the drafter online on recent rollouts, in the ranks' idle time."}
     )

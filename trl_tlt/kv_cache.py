@@ -116,3 +116,57 @@ class RaggedKVModel:
             layer.keys = layer.keys.gather(2, index)
             layer.values = layer.values.gather(2, index)
         self.attention_mask = torch.arange(longest, device=self.device)[None, :] < self.lengths[:, None]
+
+
+def unsupported_architecture(model: PreTrainedModel) -> str | None:
+    """Why `RaggedKVModel` cannot run `model` (read from its config), or None.
+
+    The ragged cache needs every layer to keep one key and value per position, addressed by the attention mask and
+    position ids: sliding-window layers evict positions and state-space / linear-attention layers fold them into a
+    state, so neither can leave a rejected draft behind as a hole.
+    """
+    config = model.config.get_text_config()
+    layer_types = set(getattr(config, "layer_types", None) or []) - {"full_attention"}
+    if layer_types:
+        return (
+            f"its layers include {sorted(layer_types)}; the engine's ragged cache needs full attention in every layer"
+        )
+    try:
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers} - {DynamicLayer.__name__}
+    except Exception as error:  # a config DynamicCache cannot read is not one the engine can run
+        return f"transformers cannot build a DynamicCache for its config ({type(error).__name__}: {error})"
+    if kinds:
+        return f"its cache has {sorted(kinds)} layers (sliding-window or state-space attention), not full attention"
+    return None
+
+
+@torch.no_grad()
+def ragged_cache_mismatch(model: PreTrainedModel, pad_token_id: int = 0) -> str | None:
+    """Check `RaggedKVModel` on `model` as speculation uses it; returns what went wrong, or None.
+
+    Two ragged rows are prefilled, extended by a step whose last draft is rejected (a hole), then by one more token;
+    the final logits must equal a plain forward over each row's kept tokens. Catches architectures whose cache or
+    positions do not follow the attention mask (custom code, new cache types) before a rollout relies on them.
+    """
+    vocab = model.config.get_text_config().vocab_size
+    tokens = torch.randint(0, min(vocab, 1000), (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [tokens[:5], tokens[5:7]]
+    runner = RaggedKVModel(model)
+    try:
+        runner.prefill(prompts, pad_token_id)
+        step = torch.tensor([tokens[7:10], tokens[9:12]], device=runner.device)
+        runner.extend(step, torch.tensor([[True, True, True], [True, True, False]], device=runner.device))
+        runner.truncate(runner.lengths - 1)  # the last valid position of each row is rejected: a hole
+        last = torch.tensor([[tokens[0]], [tokens[1]]], device=runner.device)
+        logits = runner.extend(last, torch.ones_like(last, dtype=torch.bool))[:, -1]
+        kept = [prompts[0] + tokens[7:9] + [tokens[0]], prompts[1] + tokens[9:10] + [tokens[1]]]
+        reference = torch.cat(
+            [model(input_ids=torch.tensor([ids], device=runner.device)).logits[:, -1] for ids in kept]
+        )
+    except Exception as error:  # any failure of the cached path means the engine cannot run this model
+        return f"the ragged cache failed on it ({type(error).__name__}: {error})"
+    diff = (logits.float().log_softmax(-1) - reference.float().log_softmax(-1)).abs().max().item()
+    tolerance = 5e-2 if logits.dtype in (torch.float16, torch.bfloat16) else 1e-3
+    if not diff <= tolerance:
+        return f"the ragged cache gives other logits than a plain forward (max |diff| {diff:.2g} > {tolerance:g})"
+    return None

@@ -1,6 +1,6 @@
 """Sampling settings and the logits processing the engine applies (the same order as `transformers.generate`).
 
-Order: repetition penalty, then (sampling only) temperature, top-k, top-p, min-p. The result is a log-probability
+Order: suppressed tokens and repetition penalty, then (sampling only) temperature, top-k, top-p, min-p. The result is a log-probability
 distribution over the vocabulary; filtered tokens get -inf. Log-probabilities returned to the trainer are taken
 from this processed distribution.
 """
@@ -26,6 +26,7 @@ class SamplingParams:
         repetition_penalty: CTRL-style penalty on tokens already in the prompt or completion (1.0 = off).
         max_new_tokens: Token budget of each completion.
         eos_token_ids: Ids that end a completion (kept in the output).
+        suppress_token_ids: Ids never generated (`generate`'s `suppress_tokens`: their logits are set to -inf).
 
     Example:
         >>> SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=256, eos_token_ids=(2,))
@@ -39,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_new_tokens: int = 256
     eos_token_ids: tuple[int, ...] = ()
+    suppress_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.temperature <= 0 and self.do_sample:
@@ -72,6 +74,9 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
     """Processed log-probabilities (..., V) from raw logits (..., V); `seen` (..., V) for the repetition penalty."""
+    if params.suppress_token_ids:
+        suppressed = torch.tensor(params.suppress_token_ids, device=logits.device)
+        logits = logits.index_fill(-1, suppressed, float("-inf"))
     if params.uses_repetition_penalty:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if not params.do_sample:

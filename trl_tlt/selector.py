@@ -7,7 +7,9 @@ exponentially weighted mean of the reward
     reward = tokens the step emitted / the step's wall time          (tokens per second)
 
 estimated as a ratio of exponentially discounted sums (tokens / seconds, not a mean of per-step ratios, which
-would overrate noisy arms), so the policy's and the drafter's drift is forgotten (`decay`). Each step plays an untried arm of the bucket
+would overrate noisy arms), so the policy's and the drafter's drift is forgotten (`decay`). Wall time makes the
+choices, and so the random stream and the completions, differ from run to run; with a `cost_model` the step's
+cost is modelled instead (deterministic: a seed fixes the completions), at the price of ignoring the hardware. Each step plays an untried arm of the bucket
 first, then explores a random arm with probability `epsilon`, else the arm with the best mean. Cheap: pure
 Python on numbers the engine already has on the host; no extra device synchronisation.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .engine import Arm, SpeculationPolicy
@@ -46,6 +49,8 @@ class BanditSpeculation(SpeculationPolicy):
         epsilon: Exploration probability once every arm of a bucket was tried.
         decay: Discount applied to an arm's past tokens and seconds at each of its updates (forgetting).
         seed: Seed of the exploration draws.
+        cost_model: Modelled cost of a step played with an arm (any unit), used instead of its wall time: the
+            choices then depend only on the emitted tokens, so a seeded run repeats exactly.
 
     Example:
         >>> selector = BanditSpeculation(arms=[("ngram", k) for k in (1, 2, 4, 8)])
@@ -56,6 +61,7 @@ class BanditSpeculation(SpeculationPolicy):
     epsilon: float = 0.1
     decay: float = 0.1
     seed: int = 0
+    cost_model: Callable[[Arm], float] | None = None
 
     def __post_init__(self):
         if not 0 <= self.epsilon <= 1:
@@ -79,6 +85,8 @@ class BanditSpeculation(SpeculationPolicy):
     def update(self, batch_size: int, arm: Arm, num_emitted_tokens: int, seconds: float) -> None:
         s = self._stats[batch_size_bucket(batch_size)][tuple(arm)]
         s.count += 1
+        if self.cost_model is not None:
+            seconds = self.cost_model(tuple(arm))
         keep = 1.0 - self.decay
         s.tokens = keep * s.tokens + num_emitted_tokens
         s.seconds = keep * s.seconds + seconds

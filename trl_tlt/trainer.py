@@ -22,8 +22,10 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GenerationConfig, TrainerCallback
+from transformers.generation.utils import GenerationMixin
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
@@ -35,7 +37,8 @@ from .config import TLTConfig
 from .drafter_training import DistillConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.eagle3 import Eagle3Drafter, Eagle3Model
-from .engine import FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine
+from .engine import Arm, FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine
+from .kv_cache import ragged_cache_mismatch, unsupported_architecture
 from .sampling import SamplingParams
 from .selector import BanditSpeculation, batch_size_bucket
 from .spot import DataBuffer, SpotStats, SpotTrainer
@@ -53,9 +56,31 @@ SAMPLING_LOGPROB_TOLERANCE = 0.1
 
 # GenerationConfig attributes the engine reproduces exactly; any other non-default setting is rejected.
 _SUPPORTED_GENERATION_KEYS = {
-    "max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "suppress_tokens",
     "pad_token_id", "bos_token_id", "eos_token_id", "cache_implementation", "disable_compile",
 }  # fmt: skip
+# Attributes that change nothing in what one sampled sequence per prompt looks like: beam-search-only settings (the
+# trainer samples, num_beams=1), the KV cache switch, and what `generate` would return besides the tokens.
+_HARMLESS_GENERATION_KEYS = {
+    "length_penalty", "early_stopping", "use_cache", "max_length", "renormalize_logits", "remove_invalid_values",
+    "output_scores", "output_logits", "output_attentions", "output_hidden_states", "compile_config",
+}  # fmt: skip
+# transformers' own `generate`, as imported: a model whose `generate` is anything else (a subclass's override, a
+# patch such as TRL's tests apply) generates with it, through GRPOTrainer's path.
+_TRANSFORMERS_GENERATE = GenerationMixin.generate
+
+
+def _num_parameters(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _has_custom_generate(model) -> bool:
+    """True if `model.generate` is not transformers' (overridden by its class, or patched on the instance or class)."""
+    if "generate" in vars(model):
+        return True
+    if isinstance(model, PeftModel):  # PEFT's generate wraps the base model's
+        return _has_custom_generate(model.get_base_model())
+    return getattr(type(model), "generate", None) is not _TRANSFORMERS_GENERATE
 
 
 def _tlt_config(args: GRPOConfig) -> TLTConfig:
@@ -95,9 +120,19 @@ class TLTGRPOTrainer(GRPOTrainer):
                 "TLTGRPOTrainer generates with its speculative engine; `use_transformers_continuous_batching=True` "
                 "would bypass it. Set use_transformers_continuous_batching=False (or use GRPOTrainer)."
             )
+        # Why rollouts go through GRPOTrainer's own generation instead of the engine (None: they do not).
+        self.tlt_fallback_reason: str | None = None
+        self._tlt_engine_checked = self.use_vllm  # the engine's cache is checked on the policy at the first rollout
+        self._tlt_notes: set[str] = set()
         if not self.use_vllm:
-            self._check_generation_kwargs(self.generation_kwargs)
-            self.tlt_drafter = self._build_drafter()
+            policy = self.accelerator.unwrap_model(self.model)
+            self._check_generation_config(policy)
+            self.tlt_fallback_reason = unsupported_architecture(policy)
+            if self.tlt_fallback_reason is not None:
+                self._refuse_spot_training_without_engine()
+                self._note_stock_generation(self.tlt_fallback_reason)
+            else:
+                self.tlt_drafter = self._build_drafter()
         self.tlt_speculation = self._build_speculation()
         self.tlt_last_stats: GenerationStats | None = None
         self.tlt_last_vllm_stats: dict[str, float] | None = None
@@ -106,24 +141,56 @@ class TLTGRPOTrainer(GRPOTrainer):
             self.vllm_generation.sync_drafter()  # the ranks' drafters were just made equal (rank 0's)
         self.tlt_last_spot: SpotStats | None = None
         self._drafter_writer: threading.Thread | None = None
+        self._drafter_write_error: tuple[Path, BaseException] | None = None
         self.add_callback(_JoinDrafterWrites(self))
         # One stream per rank: ranks sample different prompts, but their noise must not be correlated either.
         seed = self.args.seed + self.accelerator.process_index
         self._tlt_generator = torch.Generator(device=self.accelerator.device).manual_seed(seed)
 
     # ----------------------------------------------------------------------------------------- set-up
-    def _check_generation_kwargs(self, generation_kwargs: dict) -> None:
+    def _generation_config(self, model) -> GenerationConfig:
+        """The configuration `generate` would sample with: the trainer's, its unset fields taken from the model's
+        `generation_config`, then transformers' defaults (transformers' own merge, so both trainers agree)."""
+        config, _ = model._prepare_generation_config(copy.deepcopy(self.generation_config))
+        return config
+
+    def _check_generation_config(self, model) -> None:
+        """Refuse, by name, every setting the engine would not reproduce (from `generation_kwargs` or the model's
+        generation_config.json); settings that cannot change a sampled sequence are accepted."""
+        config = self._generation_config(model).to_dict()
         default = GenerationConfig()
-        unsupported = [
+        default.update(**default._get_default_generation_params(), defaults_only=True)
+        default = default.to_dict()
+        unsupported = sorted(
             key
-            for key, value in generation_kwargs.items()
-            if key not in _SUPPORTED_GENERATION_KEYS and value is not None and value != getattr(default, key, None)
-        ]
+            for key, value in config.items()
+            if key in default
+            and not key.startswith("_")  # bookkeeping, e.g. _from_model_config
+            and key not in _SUPPORTED_GENERATION_KEYS | _HARMLESS_GENERATION_KEYS
+            and value != default[key]
+        )
         if unsupported:
             raise ValueError(
-                f"TLTGRPOTrainer's engine cannot reproduce the generation settings {sorted(unsupported)} exactly; "
-                "remove them from `generation_kwargs` (supported: do_sample, temperature, top_p, top_k, min_p, "
-                "repetition_penalty, max_new_tokens, eos_token_id) or use GRPOTrainer."
+                f"TLTGRPOTrainer's engine cannot reproduce the generation settings {unsupported} exactly (set in "
+                "`generation_kwargs` or in the model's generation_config.json); remove them (supported: do_sample, "
+                "temperature, top_p, top_k, min_p, repetition_penalty, suppress_tokens, max_new_tokens, eos_token_id; "
+                f"accepted as no-ops when sampling one sequence: {', '.join(sorted(_HARMLESS_GENERATION_KEYS))}) or "
+                "use GRPOTrainer."
+            )
+
+    def _refuse_spot_training_without_engine(self) -> None:
+        if self.args.spot_training:
+            raise ValueError(
+                f"spot_training=True trains the drafter of trl-tlt's engine, which cannot run this policy: "
+                f"{self.tlt_fallback_reason}. Set spot_training=False (rollouts then use GRPOTrainer's generation)."
+            )
+
+    def _note_stock_generation(self, reason: str) -> None:
+        """Say once per reason that rollouts use GRPOTrainer's generation (correct, without TLT's speed-up)."""
+        if reason not in self._tlt_notes:
+            self._tlt_notes.add(reason)
+            logger.warning(
+                f"TLTGRPOTrainer generates with GRPOTrainer's own generation (no speculative decoding): {reason}."
             )
 
     def _build_drafter(self) -> Drafter | None:
@@ -150,7 +217,15 @@ class TLTGRPOTrainer(GRPOTrainer):
                 "never trains accepts almost nothing. Set spot_training=True, or warm-start one with "
                 "scripts/train_drafter.py and pass its directory."
             )
-        return Eagle3Model.for_policy(policy).to(dtype=policy.get_input_embeddings().weight.dtype)
+        head = Eagle3Model.for_policy(policy).to(dtype=policy.get_input_embeddings().weight.dtype)
+        if not head.exportable:
+            logger.warning(
+                f"The policy has {policy.config.get_text_config().num_hidden_layers} decoder layers; an EAGLE-3 head for "
+                f"vLLM or SGLang needs 3 distinct ones. This head reads layers {head.aux_layer_ids}: it drafts and trains "
+                "here and checkpoints keep it (trl-tlt's layout), but it cannot be exported (save_drafter) or used "
+                "with use_vllm=True."
+            )
+        return head
 
     def _build_vllm_generation(self, **kwargs) -> TLTVLLMGeneration:
         """Stands in for `VLLMGeneration(**kwargs)` in `GRPOTrainer.__init__`: the same engine, speculating with the
@@ -159,6 +234,11 @@ class TLTGRPOTrainer(GRPOTrainer):
         if args.vllm_mode == "colocate":
             self.tlt_drafter = self._build_drafter()
         drafter = self._trainable_drafter()
+        if isinstance(drafter, Eagle3Model) and not drafter.exportable:
+            raise ValueError(
+                f"vLLM cannot load an EAGLE-3 head with repeated layer ids {drafter.aux_layer_ids} (a policy with fewer "
+                "than 3 decoder layers). Set drafter_type='ngram' or 'none', or use_vllm=False."
+            )
         if drafter is not None and any("lora_" in name for name, _ in drafter.named_parameters()):
             raise ValueError(
                 "A LoRA (peft) drafter cannot be pushed into vLLM's draft model; merge the adapter into the drafter "
@@ -198,21 +278,37 @@ class TLTGRPOTrainer(GRPOTrainer):
         if self.args.speculative_selector == "fixed":
             return FixedSpeculation(k_max, "default")
         arms = [("default", k) for k in (1, 2, 3, 4, 6, 8) if k <= k_max] + [("default", k_max)]
-        return BanditSpeculation(arms=arms, epsilon=self.args.selector_epsilon, seed=self.args.seed)
+        cost_model = self._modelled_step_cost() if self.args.selector_deterministic else None
+        return BanditSpeculation(
+            arms=arms, epsilon=self.args.selector_epsilon, seed=self.args.seed, cost_model=cost_model
+        )
 
-    def _sampling_params(self) -> SamplingParams:
-        config = self.generation_config
+    def _modelled_step_cost(self):
+        """Cost of a decode step in policy forwards: 1 (the verification, which scores all k+1 positions at once, as
+        a memory-bound forward does) + k drafter forwards, each weighted by the drafter's share of the parameters."""
+        drafter = self._trainable_drafter()
+        policy = self.accelerator.unwrap_model(self.model)
+        ratio = 0.0 if drafter is None else _num_parameters(drafter) / _num_parameters(policy)
+
+        def cost(arm: Arm) -> float:
+            return 1.0 + arm[1] * ratio
+
+        return cost
+
+    def _sampling_params(self, model) -> SamplingParams:
+        config = self._generation_config(model)
         eos = config.eos_token_id
         eos = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
         return SamplingParams(
             do_sample=bool(config.do_sample),
-            temperature=config.temperature if config.temperature is not None else 1.0,
+            temperature=config.temperature,
             top_k=config.top_k or None,
-            top_p=config.top_p if config.top_p is not None else 1.0,
+            top_p=config.top_p,
             min_p=config.min_p or None,
-            repetition_penalty=config.repetition_penalty if config.repetition_penalty is not None else 1.0,
+            repetition_penalty=config.repetition_penalty,
             max_new_tokens=config.max_new_tokens,
             eos_token_ids=eos,
+            suppress_token_ids=tuple(config.suppress_tokens or ()),
         )
 
     # ------------------------------------------------------------------------------------- generation
@@ -237,27 +333,49 @@ class TLTGRPOTrainer(GRPOTrainer):
             finally:
                 unwrapped_model.train(was_training)
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _stock_generation_reason(self, images, multimodal_fields) -> str | None:
+        """Why this rollout must go through GRPOTrainer's own generation, or None (trl-tlt's engine, or vLLM)."""
         if images is not None or multimodal_fields:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+            return "multimodal inputs (images or processor fields) are generated by GRPOTrainer's code"
         if self.use_vllm:
-            return self._generate_with_vllm(prompt_ids, num_generations, has_tool_images)
-        training = self.model.training
-        with profiling_context(self, "tlt.generate"), self._unwrapped_for_generation() as unwrapped_model:
-            engine = SpeculativeEngine(
-                unwrapped_model,
-                drafter=self.tlt_drafter,
-                speculation=self.tlt_speculation,
-                pad_token_id=self._tokenizer.pad_token_id,
+            return None
+        if self.tlt_fallback_reason is not None:
+            return self.tlt_fallback_reason
+        if _has_custom_generate(self.accelerator.unwrap_model(self.model)):
+            return (
+                "the model's `generate` is not transformers' (overridden by its class, or patched); it is used as is"
             )
-            out = engine.generate(prompt_ids, self._sampling_params(), generator=self._tlt_generator)
-            if self.tlt_spot is not None and training:
-                self._spot_phase(unwrapped_model, prompt_ids, out.completion_ids)
-        self._log_rollout_stats(out.stats)
-        # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
-        return out.completion_ids, None
+        return None
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        reason = self._stock_generation_reason(images, multimodal_fields)
+        if reason is None and self.use_vllm:
+            return self._generate_with_vllm(prompt_ids, num_generations, has_tool_images)
+        if reason is None:
+            training = self.model.training
+            with profiling_context(self, "tlt.generate"), self._unwrapped_for_generation() as unwrapped_model:
+                if not self._tlt_engine_checked:  # once, on the real policy (gathered, in eval mode)
+                    self._tlt_engine_checked = True
+                    self.tlt_fallback_reason = ragged_cache_mismatch(unwrapped_model, self._tokenizer.pad_token_id)
+                reason = self.tlt_fallback_reason
+                if reason is None:
+                    engine = SpeculativeEngine(
+                        unwrapped_model,
+                        drafter=self.tlt_drafter,
+                        speculation=self.tlt_speculation,
+                        pad_token_id=self._tokenizer.pad_token_id,
+                    )
+                    params = self._sampling_params(unwrapped_model)
+                    out = engine.generate(prompt_ids, params, generator=self._tlt_generator)
+                    if self.tlt_spot is not None and training:
+                        self._spot_phase(unwrapped_model, prompt_ids, out.completion_ids)
+            if reason is None:
+                self._log_rollout_stats(out.stats)
+                # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
+                return out.completion_ids, None
+            self._refuse_spot_training_without_engine()
+        self._note_stock_generation(reason)
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _generate_with_vllm(self, prompt_ids, num_generations, has_tool_images):
         """The parent's vLLM rollout (policy synced, then generated), then spot training and the drafter push."""
@@ -382,6 +500,11 @@ class TLTGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 f"drafter_type={self.args.drafter_type!r} has no weights to save; use drafter_type='eagle3' or 'model'."
             )
+        if isinstance(model, Eagle3Model) and not model.exportable:
+            raise ValueError(
+                f"This EAGLE-3 head reads policy layers {model.aux_layer_ids} (the policy has fewer than 3 decoder "
+                "layers): vLLM and SGLang cannot load it. Checkpoints keep it in trl-tlt's layout (checkpoint-*/drafter)."
+            )
         if self.accelerator.is_main_process:
             model.save_pretrained(path)
 
@@ -432,24 +555,40 @@ class TLTGRPOTrainer(GRPOTrainer):
             weights = {k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()}
         spot_state = copy.deepcopy(self.tlt_spot.state_dict()) if self.tlt_spot is not None else None
 
+        save_kwargs = {}
+        if isinstance(drafter, Eagle3Model):
+            save_kwargs["engine"] = "vllm" if drafter.exportable else "trl-tlt"
+
         def write():
             tmp, final = folder / f"{DRAFTER_DIR}.tmp", folder / DRAFTER_DIR
-            shutil.rmtree(tmp, ignore_errors=True)
-            drafter.save_pretrained(tmp, state_dict=weights)
-            if spot_state is not None:
-                torch.save(spot_state, tmp / SPOT_STATE_NAME)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                drafter.save_pretrained(tmp, state_dict=weights, **save_kwargs)
+                if spot_state is not None:
+                    torch.save(spot_state, tmp / SPOT_STATE_NAME)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+            except BaseException as error:  # re-raised by join_drafter_writes, in the training thread
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._drafter_write_error = (folder, error)
 
         self.join_drafter_writes()
         self._drafter_writer = threading.Thread(target=write, name="tlt-drafter-checkpoint")
         self._drafter_writer.start()
 
     def join_drafter_writes(self) -> None:
-        """Wait for the background drafter checkpoint write, if any (called before the next one and at train end)."""
+        """Wait for the background drafter checkpoint write, if any (called before the next one and at train end);
+        raise its error, if it failed, so that a checkpoint without its drafter never passes unnoticed."""
         if self._drafter_writer is not None:
             self._drafter_writer.join()
             self._drafter_writer = None
+        if self._drafter_write_error is not None:
+            folder, error = self._drafter_write_error
+            self._drafter_write_error = None
+            raise RuntimeError(
+                f"Writing the drafter of {folder} failed ({type(error).__name__}: {error}); that checkpoint has no "
+                f"{DRAFTER_DIR}/ and cannot be resumed with it. The previous checkpoints are intact."
+            ) from error
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, PreTrainedModel
@@ -34,6 +35,9 @@ from .model import sample_draft
 
 
 WEIGHTS_NAME = "model.safetensors"
+# `engine` values of `save_pretrained`: the two serving engines' layouts (layer ids differ), and trl-tlt's own
+# checkpoint layout, which also holds heads that no engine can serve (a policy under 3 layers repeats a layer id).
+ENGINES = ("vllm", "sglang", "trl-tlt")
 # Every tensor an exported checkpoint must hold (besides the `midlayer.` layer weights; `d2t`/`t2d` only with a
 # draft vocabulary smaller than the policy's).
 REQUIRED_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
@@ -176,6 +180,12 @@ class Eagle3Model(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
+    @property
+    def exportable(self) -> bool:
+        """vLLM and SGLang capture each auxiliary layer once: the head needs 3 distinct layer ids (a policy of at
+        least 3 layers). A head with repeated ids drafts and trains here, and saves with `engine="trl-tlt"` only."""
+        return len(set(self.aux_layer_ids)) == 3
+
     def init_from_policy(self, policy: PreTrainedModel, token_counts: torch.Tensor | None = None) -> None:
         """Warm-start: draft vocabulary = the most frequent tokens, LM head and final norm copied from the policy."""
         vocab, draft_vocab = self.config.vocab_size, self.config.draft_vocab_size
@@ -310,12 +320,13 @@ class Eagle3Model(nn.Module):
     def save_pretrained(
         self, path: str | Path, engine: str = "vllm", state_dict: dict[str, torch.Tensor] | None = None
     ) -> None:
-        """Write config.json + model.safetensors. `engine="sglang"` writes SGLang's layer ids (vLLM's + 1).
+        """Write config.json + model.safetensors. `engine="sglang"` writes SGLang's layer ids (vLLM's + 1);
+        `engine="trl-tlt"` writes vLLM's layout without requiring an exportable head (trainer checkpoints).
         `state_dict`: a snapshot from `export_state_dict` to write instead of the live weights (background saves)."""
-        if engine not in ("vllm", "sglang"):
-            raise ValueError(f"`engine` must be 'vllm' or 'sglang', got {engine!r}.")
+        if engine not in ENGINES:
+            raise ValueError(f"`engine` must be one of {ENGINES}, got {engine!r}.")
         state = self.export_state_dict() if state_dict is None else state_dict
-        check_complete(state, self.config.to_dict())
+        check_complete(state, self.config.to_dict(), exportable=engine != "trl-tlt")
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         config = self.config.to_dict()
@@ -338,8 +349,17 @@ class Eagle3Model(nn.Module):
         if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
             raise FileNotFoundError(f"{path} is not an EAGLE-3 drafter: it needs config.json and {WEIGHTS_NAME}.")
         raw = json.loads((path / "config.json").read_text())
-        state = load_file(str(path / WEIGHTS_NAME))
-        check_complete(state, raw)
+        try:
+            state = load_file(str(path / WEIGHTS_NAME))
+            with safe_open(str(path / WEIGHTS_NAME), "pt") as f:
+                engine = (f.metadata() or {}).get("engine", "vllm")
+        except Exception as error:  # a truncated or foreign file: say which one
+            raise ValueError(f"Cannot read the EAGLE-3 drafter weights {path / WEIGHTS_NAME}: {error}") from error
+        if engine == "sglang":  # its layer ids are output-indexed (vLLM's + 1): loading them here would shift layers
+            raise ValueError(
+                f"{path} was saved for SGLang (output-indexed layer ids); load the drafter saved with engine='vllm'."
+            )
+        check_complete(state, raw, exportable=engine != "trl-tlt")
         config = LlamaConfig.from_dict(raw)
         policy_text = policy.config.get_text_config()
         if config.target_hidden_size != policy_text.hidden_size or config.vocab_size != policy_text.vocab_size:
@@ -355,8 +375,9 @@ class Eagle3Model(nn.Module):
         return model.to(policy.device)
 
 
-def check_complete(state: dict[str, torch.Tensor], config: dict) -> None:
-    """Refuse a checkpoint without layer ids, vocabulary mapping or any tensor (vLLM would load it silently)."""
+def check_complete(state: dict[str, torch.Tensor], config: dict, exportable: bool = True) -> None:
+    """Refuse a checkpoint without layer ids, vocabulary mapping or any tensor (vLLM would load it silently), and,
+    when it is meant for vLLM or SGLang (`exportable`), one whose layer ids repeat."""
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     reduced_vocab = config.get("draft_vocab_size") is not None and config["draft_vocab_size"] < config.get(
         "vocab_size", 0
@@ -367,10 +388,11 @@ def check_complete(state: dict[str, torch.Tensor], config: dict) -> None:
         missing.append("midlayer.*")
     if not ids or len(ids) != 3:
         missing.append("eagle_config.eagle_aux_hidden_state_layer_ids")
-    elif len(set(ids)) != 3:
+    elif exportable and len(set(ids)) != 3:
         raise ValueError(
             f"EAGLE-3 layer ids {ids} repeat a layer: vLLM and SGLang capture each layer once and would break. Build the "
-            "drafter with 3 distinct `aux_hidden_state_layer_ids` (the policy needs at least 3 layers)."
+            "drafter with 3 distinct `aux_hidden_state_layer_ids` (the policy needs at least 3 layers), or save it with "
+            "engine='trl-tlt' to keep it for trl-tlt only."
         )
     if config.get("draft_vocab_size") is None:
         missing.append("draft_vocab_size")
