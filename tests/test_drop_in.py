@@ -271,3 +271,118 @@ def test_generation_settings_merge_as_in_generate(tiny_model_dirs, tmp_path):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
         with pytest.raises(ValueError, match=next(iter(refused))):
             make_trainer(TLTGRPOTrainer, TLTConfig, model, tmp_path, generation_kwargs=refused)
+
+
+# ------------------------------------------------------------------------------------------- tool calling
+def multiply_tool(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+TOOL_CALL = '<tool_call>\n{"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
+
+
+def tool_calling_policy(tokenizer):
+    """A tiny policy taught to answer any prompt with a call of `multiply_tool` (greedy), under Qwen2.5's chat
+    template, which TRL parses tool calls from."""
+    import copy
+
+    import trl
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=3, max_position_embeddings=2048).train()
+    rows = []
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        head = tokenizer.apply_chat_template(
+            messages, tools=[multiply_tool], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(head + TOOL_CALL)["input_ids"]
+        rows.append((ids, len(tokenizer(head)["input_ids"])))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for _ in range(80):
+            for ids, start in rows:
+                labels = torch.tensor([ids])
+                labels[:, :start] = -100  # learn the answer only
+                loss = model(input_ids=torch.tensor([ids]), labels=labels).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    return model.eval(), tokenizer
+
+
+def test_tool_calling_multi_turn_through_the_engine(tokenizer, tmp_path):
+    """Tool calls and the turns after them (prompt + completion + tool result, one sequence per sample) are generated
+    by the engine, with GRPOTrainer's completions, tool statistics and weights (greedy)."""
+    policy, tool_tokenizer = tool_calling_policy(tokenizer)
+    policy.save_pretrained(tmp_path / "policy")
+    results = {}
+    for tag, trainer_cls, config_cls, extra in (
+        ("grpo", GRPOTrainer, GRPOConfig, {}),
+        ("tlt", TLTGRPOTrainer, TLTConfig, {"speculative_selector": "fixed", "num_speculative_tokens": 3}),
+    ):
+        seen = []
+        args = config_cls(
+            **config_kwargs(
+                tmp_path / tag,
+                max_completion_length=160,
+                max_tool_calling_iterations=2,
+                generation_kwargs={"do_sample": False},
+            ),
+            **extra,
+        )
+        trainer = trainer_cls(
+            model=AutoModelForCausalLM.from_pretrained(tmp_path / "policy"),
+            reward_funcs=recorder(seen),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS * 2]}),
+            processing_class=tool_tokenizer,
+            tools=[multiply_tool],
+        )
+        trainer.train()
+        results[tag] = (trainer, seen)
+    (grpo, grpo_seen), (tlt, tlt_seen) = results["grpo"], results["tlt"]
+    assert tlt_seen == grpo_seen
+    logged = tlt.state.log_history[0]
+    assert logged["tools/call_frequency"] == grpo.state.log_history[0]["tools/call_frequency"] == 1.0
+    # the engine's last call was the turn after the tool results: one sequence per sample, speculated
+    assert tlt.tlt_last_stats.num_prompts == 8 and tlt.tlt_last_stats.num_draft_tokens > 0
+    for (n, p_base), (_, p_tlt) in zip(grpo.model.named_parameters(), tlt.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p_tlt, p_base, msg=n)
+
+
+@pytest.fixture
+def restore_qwen2_module():
+    """`use_liger_kernel=True` replaces classes and functions of transformers' modeling module for the whole process
+    (Liger's monkey patch, in GRPOTrainer as here): put them back for the tests that follow."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    saved = dict(vars(modeling_qwen2))
+    yield
+    for name, value in saved.items():
+        setattr(modeling_qwen2, name, value)
+
+
+def test_liger_kernel_behaves_as_in_grpo_trainer(tiny_model_dirs, tmp_path, restore_qwen2_module):
+    """`use_liger_kernel=True` is GRPOTrainer's own loss path (Liger's fused GRPO loss, Triton): where it cannot run,
+    as on this CPU, both trainers fail the same way at the first step; on a GPU TLT leaves it untouched."""
+    errors = {}
+    for tag, trainer_cls, config_cls in (("grpo", GRPOTrainer, GRPOConfig), ("tlt", TLTGRPOTrainer, TLTConfig)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
+        trainer = make_trainer(trainer_cls, config_cls, model, tmp_path / tag, use_liger_kernel=True)
+        with pytest.raises(Exception) as info:
+            trainer.train()
+        errors[tag] = (type(info.value), str(info.value))
+    assert errors["tlt"] == errors["grpo"]

@@ -241,9 +241,10 @@ def test_edges(tiny_model_f64, tokenizer):
         assert out.completion_ids == [c[:budget] for c in hf_greedy(model, prompts, budget, min_new_tokens=budget)]
     with pytest.raises(ValueError, match="Prompt 1 is empty"):
         engine.generate([[5], []], SamplingParams(max_new_tokens=4))
-    too_long = [3] * model.config.max_position_embeddings
-    with pytest.raises(ValueError, match="max_completion_length"):
-        engine.generate([too_long], SamplingParams(max_new_tokens=4))
+    # Past max_position_embeddings, as `generate` does (rotary positions extrapolate).
+    at_limit = prompts[0] * (model.config.max_position_embeddings // len(prompts[0]))
+    out = engine.generate([at_limit], SamplingParams(do_sample=False, max_new_tokens=6))
+    assert out.completion_ids == hf_greedy(model, [at_limit], 6, min_new_tokens=6)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=0.0)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
+from transformers.generation.utils import GenerationMixin
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer import grpo_trainer
@@ -70,6 +71,9 @@ def test_private_hooks_we_override_still_exist():
     assert "LLM(" in inspect.getsource(VLLMGeneration._init_vllm)  # the call TLTVLLMGeneration adds kwargs to
     # sleep mode: generate() re-pushes the weights through sync_weights(), which TLTVLLMGeneration extends with the drafter
     assert "self.sync_weights()" in inspect.getsource(VLLMGeneration.generate)
+    # the sampling settings are merged by transformers' own generate helper, as `generate` merges them
+    params = list(inspect.signature(GenerationMixin._prepare_generation_config).parameters)
+    assert params[:2] == ["self", "generation_config"]
     for attribute in ("self.generation_config", "self.generation_kwargs", "self._dist", "self.use_vllm"):
         assert attribute in trainer_src or attribute in inspect.getsource(GRPOTrainer), attribute
 
@@ -290,6 +294,7 @@ DROP_IN_CASES = {
     "off_policy_mask": {"off_policy_mask_threshold": 0.5},
     "repetition_penalty": {"repetition_penalty": 1.3},
     "gradient_checkpointing": {"gradient_checkpointing": True},
+    "cast_lm_head_to_fp32": {"cast_lm_head_to_fp32": True},
     "harmless_generation_kwargs": {
         "generation_kwargs": {"do_sample": False, "num_beams": 1, "length_penalty": -0.1, "early_stopping": True}
     },

@@ -115,19 +115,45 @@ def test_two_processes_under_torchrun(tiny_model_dirs, tmp_path):
     assert all(h["tlt/spot_seconds"] == 0 and h["tlt/idle_seconds"] >= 0 for h in logs)
 
 
-def test_drop_in_under_torchrun(tiny_model_dirs, tmp_path):
-    """The same 2-process script with GRPOTrainer and with TLTGRPOTrainer: every rank sees the same completions."""
+@pytest.mark.parametrize("config", ["multi_gpu", "fsdp2"])
+def test_drop_in_under_accelerate_launch(tiny_model_dirs, tmp_path, config):
+    """The same 2-process script with GRPOTrainer and with TLTGRPOTrainer, launched with the shipped accelerate config:
+    every rank sees the same completions and ends with the same weights. On CPU, accelerate runs both the DDP and the
+    FSDP2 config as multi-process data parallel over gloo (FSDP itself does not engage without a GPU)."""
+    from trl_tlt.cli import ACCELERATE_CONFIGS
+
     for name, port in (("grpo", "29532"), ("tlt", "29533")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+        launch = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ACCELERATE_CONFIGS / f"{config}.yaml"),
+        ]
+        launch += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", port]
         result = subprocess.run(
-            [*cmd, HELPER, tiny_model_dirs["qwen2"], str(tmp_path), "2"],
+            [*launch, HELPER, tiny_model_dirs["qwen2"], str(tmp_path), "2"],
             capture_output=True,
             text=True,
             timeout=300,
             env={**os.environ, "OMP_NUM_THREADS": "1", "TRAINER": name},
         )
         assert result.returncode == 0, result.stderr[-3000:]
+    expected = "MULTI_CPU"
     for rank in (0, 1):
         grpo = json.loads((tmp_path / f"grpo-{rank}.json").read_text())
         tlt = json.loads((tmp_path / f"tlt-{rank}.json").read_text())
-        assert tlt["world_size"] == 2 and tlt["completions"] == grpo["completions"] and tlt["completions"]
+        assert tlt["world_size"] == 2 and tlt["distributed_type"] == grpo["distributed_type"] == expected
+        assert tlt["completions"] == grpo["completions"] and tlt["completions"]
+        assert tlt["weights_sum"] == pytest.approx(grpo["weights_sum"], rel=1e-6)
+
+
+def test_shipped_fsdp2_config_is_fsdp2():
+    """Checked on the config level (FSDP does not engage on CPU): accelerate reads the shipped file as FSDP version 2."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    from trl_tlt.cli import ACCELERATE_CONFIGS
+
+    config = ClusterConfig.from_yaml_file(str(ACCELERATE_CONFIGS / "fsdp2.yaml"))
+    assert config.distributed_type == "FSDP" and config.fsdp_config["fsdp_version"] == 2
+    assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"  # TRL gathers weights for generation

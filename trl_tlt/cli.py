@@ -109,7 +109,10 @@ def grpo(argv: list[str] | None = None):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
-    if trainer.tlt_drafter is not None and training_args.drafter_type in ("eagle3", "model"):
+    drafter = trainer._trainable_drafter()
+    if getattr(drafter, "exportable", True) is False:  # an EAGLE-3 head of a policy under 3 layers
+        trainer.accelerator.print("The drafter cannot be exported for vLLM/SGLang; checkpoints hold it (drafter/).")
+    elif drafter is not None:
         trainer.save_drafter(os.path.join(training_args.output_dir, "drafter"))
         trainer.accelerator.print(f"Drafter saved to {os.path.join(training_args.output_dir, 'drafter')}.")
     return trainer

@@ -21,11 +21,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from .drafters.base import DraftContext, Drafter
 from .kv_cache import RaggedKVModel
 from .sampling import SamplingParams, process_logits, upcast_logits
 from .speculative import verify_drafts
+
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -161,10 +165,10 @@ class SpeculativeEngine:
             if len(prompt) == 0:
                 raise ValueError(f"Prompt {i} is empty: every prompt needs at least one token (e.g. a BOS token).")
             if context is not None and len(prompt) + params.max_new_tokens > context:
-                raise ValueError(
-                    f"Prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds the "
-                    f"model's context of {context} (max_position_embeddings). Shorten the prompt (max_prompt_length) "
-                    "or lower max_new_tokens (max_completion_length)."
+                # As `generate` does: go on (rotary positions extrapolate; learned ones fail in the model's forward).
+                logger.warning_once(
+                    f"A prompt of {len(prompt)} tokens plus max_new_tokens={params.max_new_tokens} exceeds the model's "
+                    f"max_position_embeddings ({context}); generation may degrade past it (as with `generate`)."
                 )
 
     @torch.no_grad()
