@@ -386,3 +386,112 @@ def test_liger_kernel_behaves_as_in_grpo_trainer(tiny_model_dirs, tmp_path, rest
             trainer.train()
         errors[tag] = (type(info.value), str(info.value))
     assert errors["tlt"] == errors["grpo"]
+
+
+def test_training_leaves_no_global_state(tiny_model_dirs, tmp_path):
+    """Nothing a TLTGRPOTrainer does outlives it in the process: no patched transformers / TRL attribute, grad mode,
+    default dtype or thread count (what a later trainer in a notebook or test suite would inherit)."""
+    from transformers.generation import utils as generation_utils
+    from transformers.models.qwen2 import modeling_qwen2
+    from trl.trainer import grpo_trainer
+
+    modules = (generation_utils, modeling_qwen2, grpo_trainer)
+    before = [dict(vars(m)) for m in modules], dict(vars(generation_utils.GenerationMixin))
+    settings = torch.is_grad_enabled(), torch.get_default_dtype(), torch.get_num_threads()
+    trainer = make_trainer(
+        TLTGRPOTrainer, TLTConfig, AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]), tmp_path
+    )
+    trainer.train()
+    after = [dict(vars(m)) for m in modules], dict(vars(generation_utils.GenerationMixin))
+    assert after == before
+    assert (torch.is_grad_enabled(), torch.get_default_dtype(), torch.get_num_threads()) == settings
+
+
+# ------------------------------------------------------------------------------------------ vision-language
+VLM_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_llava(tokenizer, path):
+    """A tiny LLaVA (CLIP vision tower of 1 layer on 28x28 images: 4 image tokens; Llama text model) and processor."""
+    import copy
+
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tokenizer,
+        chat_template=VLM_TEMPLATE,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlavaForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def test_vision_language_model_trains_like_grpo_trainer(tokenizer, tmp_path):
+    """Images go through GRPOTrainer's generation (said once, at construction; no drafter is built): same completions
+    and weights."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = build_tiny_llava(tokenizer, tmp_path / "llava")
+    images = [Image.new("RGB", (28, 28), color=(40 * i, 255 - 30 * i, 100)) for i in range(4)]
+    dataset = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": p}] for p in PROMPTS * 2], "image": images * 2}
+    )
+    results = {}
+    for tag, trainer_cls, config_cls, extra in (
+        ("grpo", GRPOTrainer, GRPOConfig, {}),
+        ("tlt", TLTGRPOTrainer, TLTConfig, {"speculative_selector": "fixed"}),
+    ):
+        seen = []
+        args = config_cls(**config_kwargs(tmp_path / tag, generation_kwargs={"do_sample": False}), **extra)
+        trainer = trainer_cls(
+            model=AutoModelForImageTextToText.from_pretrained(path),
+            reward_funcs=recorder(seen),
+            args=args,
+            train_dataset=dataset,
+            processing_class=AutoProcessor.from_pretrained(path),
+        )
+        trainer.train()
+        results[tag] = (trainer, seen)
+    (grpo, grpo_seen), (tlt, tlt_seen) = results["grpo"], results["tlt"]
+    assert tlt_seen == grpo_seen and tlt.tlt_drafter is None and "vision-language" in tlt.tlt_fallback_reason
+    for (n, p_base), (_, p_tlt) in zip(grpo.model.named_parameters(), tlt.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p_tlt, p_base, msg=n)

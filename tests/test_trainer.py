@@ -74,7 +74,13 @@ def test_private_hooks_we_override_still_exist():
     # the sampling settings are merged by transformers' own generate helper, as `generate` merges them
     params = list(inspect.signature(GenerationMixin._prepare_generation_config).parameters)
     assert params[:2] == ["self", "generation_config"]
-    for attribute in ("self.generation_config", "self.generation_kwargs", "self._dist", "self.use_vllm"):
+    for attribute in (
+        "self.generation_config",
+        "self.generation_kwargs",
+        "self._dist",
+        "self.use_vllm",
+        "self._is_vlm",
+    ):
         assert attribute in trainer_src or attribute in inspect.getsource(GRPOTrainer), attribute
 
 

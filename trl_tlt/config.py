@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 DRAFTER_TYPES = ("eagle3", "model", "ngram", "none")
 SELECTORS = ("bandit", "fixed")
+MICRO_BATCHING = ("length_grouped", "trimmed", "padded")
 
 
 @dataclass
@@ -55,6 +56,13 @@ class TLTConfig(GRPOConfig):
             AdamW learning rate of the drafter (constant after 10 warm-up steps).
         spot_steps_per_rollout (`int`, *optional*, defaults to `4`):
             Drafter steps between two rollouts when there is a single process (no idle rank).
+        micro_batching (`str`, *optional*, defaults to `"length_grouped"`):
+            How the training phase lays out completions (every forward over them: the loss, old and reference
+            log-probs). `"trimmed"`: each forward runs at its own rows' longest completion instead of the generation
+            batch's (rows sorted by length in the log-prob passes). `"length_grouped"`: also sorts the rows of each
+            optimizer step into micro-batches by length, where that leaves the loss exactly unchanged (loss types
+            other than `bnpo`, no `top_entropy_quantile`, entropy bonus or MoE aux loss; else trimmed only).
+            `"padded"`: TRL's layout, unchanged. Both are exact: the same loss and gradients up to float round-off.
         vllm_speculative_max_batch_size (`int`, *optional*, defaults to `32`):
             With `use_vllm=True, vllm_mode="colocate"`: vLLM speculates `num_speculative_tokens` while at most this
             many sequences are running and not above (TLT's threshold; vLLM's
@@ -104,6 +112,15 @@ class TLTConfig(GRPOConfig):
         default=4, metadata={"help": "Drafter steps between rollouts with a single process."}
     )
 
+    micro_batching: str = field(
+        default="length_grouped",
+        metadata={
+            "help": "Training-phase layout: 'length_grouped' (trim + group rows by length where exact), 'trimmed', "
+            "or 'padded' (TRL's).",
+            "choices": list(MICRO_BATCHING),
+        },
+    )
+
     vllm_speculative_max_batch_size: int = field(
         default=32,
         metadata={"help": "vLLM colocate: speculate only while at most this many sequences run (0 = always)."},
@@ -121,6 +138,8 @@ class TLTConfig(GRPOConfig):
             raise ValueError(f"`speculative_selector` must be one of {SELECTORS}, got {self.speculative_selector!r}.")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"`num_speculative_tokens` must be >= 1, got {self.num_speculative_tokens}.")
+        if self.micro_batching not in MICRO_BATCHING:
+            raise ValueError(f"`micro_batching` must be one of {MICRO_BATCHING}, got {self.micro_batching!r}.")
         if not 0 <= self.selector_epsilon <= 1:
             raise ValueError(f"`selector_epsilon` must be in [0, 1], got {self.selector_epsilon}.")
         if self.spot_training and self.drafter_type not in ("eagle3", "model"):

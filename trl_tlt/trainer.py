@@ -39,6 +39,7 @@ from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from .engine import Arm, FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine
 from .kv_cache import ragged_cache_mismatch, unsupported_architecture
+from .micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
 from .sampling import SamplingParams
 from .selector import BanditSpeculation, batch_size_bucket
 from .spot import DataBuffer, SpotStats, SpotTrainer
@@ -127,7 +128,11 @@ class TLTGRPOTrainer(GRPOTrainer):
         if not self.use_vllm:
             policy = self.accelerator.unwrap_model(self.model)
             self._check_generation_config(policy)
-            self.tlt_fallback_reason = unsupported_architecture(policy)
+            self.tlt_fallback_reason = (
+                "vision-language models (a processor as processing_class) generate with GRPOTrainer's code"
+                if self._is_vlm
+                else unsupported_architecture(policy)
+            )
             if self.tlt_fallback_reason is not None:
                 self._refuse_spot_training_without_engine()
                 self._note_stock_generation(self.tlt_fallback_reason)
@@ -199,10 +204,15 @@ class TLTGRPOTrainer(GRPOTrainer):
             return None
         if kind == "ngram":
             return NgramDrafter()
-        if kind == "eagle3":
-            return Eagle3Drafter(self._build_eagle3())
-        drafter_lm = AutoModelForCausalLM.from_pretrained(self.args.drafter_model_name_or_path)
-        drafter_lm.to(self.accelerator.device)
+        # A new head's initialisation draws on its own seeded stream: TRL's global stream (its shuffles of the
+        # generation batch) stays the one GRPOTrainer would have.
+        device = self.accelerator.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self.args.seed)
+            if kind == "eagle3":
+                return Eagle3Drafter(self._build_eagle3())
+            drafter_lm = AutoModelForCausalLM.from_pretrained(self.args.drafter_model_name_or_path)
+        drafter_lm.to(device)
         vocab_size = self.model.config.get_text_config().vocab_size
         return ModelDrafter(drafter_lm, vocab_size)
 
@@ -485,6 +495,57 @@ class TLTGRPOTrainer(GRPOTrainer):
             metrics["tlt/drafter_eval_acceptance_length"] = summary["eval_acceptance_length"]
         for key, value in metrics.items():
             self._metrics["train"][key].append(value)
+
+    # --------------------------------------------------------------------------------- training phase
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """Every forward over completions (the loss, old and reference log-probs), each chunk of rows run at its own
+        longest completion instead of the generation batch's (`micro_batching`; trl_tlt/micro_batching.py)."""
+
+        def forward(ids, mask, keep, chunk_size=None):
+            return super(TLTGRPOTrainer, self)._get_per_token_logps_and_entropies(
+                model, ids, mask, keep, chunk_size, compute_entropy, compute_aux_loss, **multimodal
+            )
+
+        if self.args.micro_batching == "padded" or any(value is not None for value in multimodal.values()):
+            return forward(input_ids, attention_mask, logits_to_keep, batch_size)
+        # An aux loss is averaged per chunk: keep TRL's chunks (trim only); otherwise rows are independent.
+        return trimmed_logps_and_entropies(
+            forward, input_ids, attention_mask, logits_to_keep, batch_size, sort_rows=not compute_aux_loss
+        )
+
+    def _regroups_micro_batches(self) -> bool:
+        """Whether sorting an optimizer step's rows into micro-batches by length leaves the loss exactly unchanged."""
+        args = self.args
+        return (
+            args.micro_batching == "length_grouped"
+            and self.loss_type in REGROUPABLE_LOSS_TYPES
+            and self.top_entropy_quantile == 1.0  # its threshold is a quantile over each micro-batch
+            and not self._entropy_bonus_enabled  # a per-micro-batch mean
+            and not self.aux_loss_enabled  # averaged per micro-batch
+            and args.gradient_accumulation_steps > 1
+            and args.steps_per_generation % args.gradient_accumulation_steps == 0  # windows = optimizer steps
+        )
+
+    def _prepare_inputs(self, generation_batch):
+        buffered = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        fresh = self.model.training and self._buffered_inputs is not buffered
+        if fresh and self._regroups_micro_batches() and "pixel_values" not in inputs:
+            accumulation = self.args.gradient_accumulation_steps
+            if self._step % accumulation == 0:  # the buffer starts at an optimizer-step boundary
+                self._buffered_inputs = group_by_length(self._buffered_inputs, accumulation)
+                inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
 
     # ------------------------------------------------------------------------------ drafter checkpoints
     def _trainable_drafter(self):
