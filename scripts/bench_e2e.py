@@ -4,9 +4,11 @@ For each seed both trainers start from the same SFT policy and train on the same
 (the order alternates between seeds). Per step it records the reward, the step time (TRL's `step_time`: rollout
 + scoring + training) and the rollout time; after training, the accuracy of the trained policy on held-out
 problems (temperature 1, 4 samples each). Writes JSON with `step_time_ratio` (GRPO / TLT), `rollout_time_ratio`,
-`reward_grpo`, `reward_tlt` (mean reward per step, averaged over seeds), `reward_test` (a paired test of the
-reward curves), `profile_grpo` / `profile_tlt` (where each step's time goes: rollout, scoring, training) and the
-per-seed details.
+`training_phase_ratio` (GRPO / TLT, median training-phase seconds: forward, backward, optimizer), `reward_grpo`,
+`reward_tlt` (mean reward per step, averaged over seeds), `reward_test` (a paired test of the reward curves),
+`profile_<trainer>` (where each step's time goes: rollout, scoring, training) and the per-seed details. The trainer
+`tlt_padded` is TLTGRPOTrainer with `micro_batching="padded"` (TRL's training layout): beside `tlt` it shows what the
+training phase gives (`training_phase_ratio_padded_over_tlt`) apart from the speculative rollout.
 
     python scripts/bench_e2e.py --steps 30 --seeds 0,1 --output docs/benchmarks/e2e_cpu.json
 
@@ -33,10 +35,12 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _bench import machine, write_json  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
+from trl_tlt.drafter_training import evaluate_acceptance  # noqa: E402
+from trl_tlt.sampling import SamplingParams  # noqa: E402
 from trl_tlt.workload import (  # noqa: E402
     accuracy_reward,
     build_draft_lm,
@@ -44,6 +48,7 @@ from trl_tlt.workload import (  # noqa: E402
     build_policy,
     evaluate_policy,
     make_dataset,
+    prompt_token_ids,
 )
 
 
@@ -115,6 +120,57 @@ def phase_profile(runs: dict, name: str, seeds: list[int]) -> dict:
     return out
 
 
+LABELS = {"grpo": "GRPOTrainer", "tlt_padded": "TLTGRPOTrainer,\nTRL's training layout", "tlt": "TLTGRPOTrainer"}
+
+
+def plot_phases(result: dict, names: list[str], path: str) -> None:
+    """Stacked bars: median seconds per step of rollout, scoring and training, per trainer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = [n for n in ("grpo", "tlt_padded", "tlt") if n in names]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for name_index, name in enumerate(order):
+        bottom = 0.0
+        for phase, color in (("rollout_time", "#4c72b0"), ("scoring_time", "#aaaaaa"), ("training_time", "#dd8452")):
+            seconds = result[f"profile_{name}"][phase]["median_seconds"]
+            label = phase.removesuffix("_time") if name_index == 0 else None
+            ax.bar(name_index, seconds, bottom=bottom, color=color, label=label, width=0.6)
+            bottom += seconds
+        ax.text(name_index, bottom, f"{result[f'median_step_time_{name}']:.2f} s", ha="center", va="bottom")
+    ax.set_xticks(range(len(order)), [LABELS[n] for n in order])
+    ax.set_ylabel("median seconds per step (phase)")
+    ax.set_title(f"one GRPO step, {result['batch']}, {len(result['seeds'])} seeds x {result['steps']} steps")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+class AcceptanceProbe(TrainerCallback):
+    """Every `every` optimizer steps: the current drafter's acceptance length at k = 4 on fixed held-out prompts
+    (the engine speculating at every step, temperature 1, the current policy). Runs between steps: not in step_time."""
+
+    def __init__(self, trainer, prompts, every: int):
+        self.trainer, self.prompts, self.every, self.values = trainer, prompts, every, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if step % self.every and step != 1:
+            return
+        trainer = self.trainer
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        was_training = policy.training
+        policy.eval()
+        eos = trainer.processing_class.eos_token_id
+        params = SamplingParams(temperature=1.0, max_new_tokens=trainer.max_completion_length, eos_token_ids=(eos,))
+        report = evaluate_acceptance(policy, trainer.tlt_drafter, self.prompts, params, k=4, seed=step)
+        self.values[step] = report["mean_acceptance_length"]
+        policy.train(was_training)
+
+
 def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
     common = dict(
         output_dir=output_dir,
@@ -140,10 +196,13 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
     if name == "grpo":
         trainer_cls, config = timed(GRPOTrainer), GRPOConfig(**common)
     else:
+        # eagle3-new: the out-of-the-box set-up (a new EAGLE-3 head, every TLTConfig default)
         warm_start = {"model": build_draft_lm, "eagle3": build_eagle3_drafter}.get(args.drafter_type)
         drafter = {"drafter_model_name_or_path": str(warm_start())} if warm_start else {}
+        drafter_type = "eagle3" if args.drafter_type == "eagle3-new" else args.drafter_type
         trainer_cls = timed(TLTGRPOTrainer)
-        config = TLTConfig(**common, drafter_type=args.drafter_type, **drafter)
+        layout = {"micro_batching": "padded"} if name == "tlt_padded" else {}
+        config = TLTConfig(**common, drafter_type=drafter_type, **drafter, **layout)
     model = AutoModelForCausalLM.from_pretrained(policy_path)
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     train_set = make_dataset(args.num_prompts * args.steps, seed=100 + seed)
@@ -151,6 +210,11 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
         model=model, reward_funcs=accuracy_reward, args=config, train_dataset=train_set, processing_class=tokenizer
     )
     trainer.rollout_times, trainer.rollout_lengths, trainer.prepare_times = [], [], []
+    probe = None
+    if args.acceptance_every and name != "grpo" and trainer.tlt_drafter is not None:
+        held_out = make_dataset(16, seed=555)["prompt"]
+        probe = AcceptanceProbe(trainer, prompt_token_ids(tokenizer, held_out), args.acceptance_every)
+        trainer.add_callback(probe)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -172,9 +236,14 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
         "rollout_lengths": trainer.rollout_lengths,
         "train_wall_seconds": wall,
     }
-    if name == "tlt":
+    if name.startswith("tlt"):
         result["mean_acceptance_length"] = [h.get("tlt/mean_acceptance_length") for h in logs]
         result["speculated_fraction"] = [h.get("tlt/spec_step_fraction") for h in logs]
+        # single process: the drafter steps between rollouts run inside the rollout call (part of rollout_time)
+        for key in ("tlt/drafter_eval_acceptance_length", "tlt/spot_seconds", "tlt/drafter_steps"):
+            result[key.removeprefix("tlt/")] = [h.get(key) for h in logs]
+    if probe is not None:
+        result["acceptance_length_k4"] = probe.values
     if args.eval_problems:
         torch.manual_seed(seed)
         stats = evaluate_policy(
@@ -188,7 +257,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", default="0,1")
-    parser.add_argument("--trainers", default="grpo,tlt")
+    parser.add_argument("--trainers", default="grpo,tlt,tlt_padded", help="any of grpo, tlt, tlt_padded")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=512)
@@ -196,11 +265,16 @@ def main() -> None:
     parser.add_argument(
         "--drafter-type",
         default="eagle3",
-        help="TLT drafter: eagle3 (warm-start head), model (1-layer draft LM), ngram, none",
+        help="TLT drafter: eagle3 (warm-start head), eagle3-new (a new head: TLTConfig's defaults, nothing given), "
+        "model (1-layer draft LM), ngram, none",
+    )
+    parser.add_argument(
+        "--acceptance-every", type=int, default=0, help="measure the drafter's acceptance at k=4 every N steps"
     )
     parser.add_argument("--eval-problems", type=int, default=64)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--plot", default=None, help="PNG of the phases of a step per trainer (median seconds)")
     args = parser.parse_args()
 
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # under torchrun: the 2-process variant
@@ -258,6 +332,7 @@ def main() -> None:
     for name in names:
         result[f"median_step_time_{name}"] = pooled(name, "step_time")
         result[f"median_rollout_time_{name}"] = pooled(name, "rollout_time")
+        result[f"median_training_time_{name}"] = pooled(name, "training_time")
         result[f"rollout_share_{name}"] = sum(t for s in seeds for t in runs[name][s]["rollout_time"]) / sum(
             t for s in seeds for t in runs[name][s]["step_time"]
         )
@@ -266,11 +341,21 @@ def main() -> None:
     if {"grpo", "tlt"} <= set(names):
         result["step_time_ratio"] = result["median_step_time_grpo"] / result["median_step_time_tlt"]
         result["rollout_time_ratio"] = result["median_rollout_time_grpo"] / result["median_rollout_time_tlt"]
+        result["training_phase_ratio"] = result["median_training_time_grpo"] / result["median_training_time_tlt"]
         result["reward_test"] = reward_comparison(runs, seeds)
+    if {"tlt", "tlt_padded"} <= set(names):
+        result["training_phase_ratio_padded_over_tlt"] = (
+            result["median_training_time_tlt_padded"] / result["median_training_time_tlt"]
+        )
+        result["step_time_ratio_padded_over_tlt"] = (
+            result["median_step_time_tlt_padded"] / result["median_step_time_tlt"]
+        )
     if not main_process:
         return
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     write_json(result, args.output)
+    if args.plot:
+        plot_phases(result, names, args.plot)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trl_tlt.drafters.eagle3 import Eagle3Model
-from trl_tlt.spot import HELD_OUT_EVERY, DataBuffer, SpotTrainer
+from trl_tlt.spot import HELD_OUT_EVERY, DataBuffer, SpotSchedule, SpotTrainer
 from trl_tlt.tiny import build_tiny_model, build_tokenizer
 
 
@@ -56,7 +56,8 @@ def spot_trainer(policy, **kwargs):
     buffer = DataBuffer(window=2)
     prompts, completions = rollout(16, 20)
     buffer.add(prompts, completions)
-    return SpotTrainer(Eagle3Model.for_policy(policy), buffer, learning_rate=3e-3, warmup_steps=1, **kwargs)
+    schedule = SpotSchedule(learning_rate=3e-3, warmup_steps=1, steps_per_rollout=kwargs.pop("steps_per_rollout", 4))
+    return SpotTrainer(Eagle3Model.for_policy(policy), buffer, schedule=schedule, **kwargs)
 
 
 def test_drafter_steps_lower_the_loss_and_leave_the_policy_alone(policy):
@@ -66,6 +67,9 @@ def test_drafter_steps_lower_the_loss_and_leave_the_policy_alone(policy):
     assert all(loss is not None for loss in losses)
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
     assert all(torch.equal(v, policy.state_dict()[k]) for k, v in before.items())
+    # no gradient reaches the policy's (trainable) parameters, its shared embedding included: the policy's own
+    # optimizer step would apply it
+    assert all(p.requires_grad and p.grad is None for p in policy.parameters())
     assert spot.total_steps == 30
     assert spot.evaluate(policy) > 1.0  # held-out top-1 agreement now non-zero
 
@@ -141,3 +145,22 @@ def test_two_ranks_train_while_idle_and_merge():
     assert torch.equal(first["flat"], second["flat"])  # merged: both ranks hold the same drafter
     assert not torch.equal(first["flat"], first["start"])  # ... the one the idle rank trained
     assert first["summary"]["steps"] == first["steps"] and first["summary"]["loss"] is not None
+
+
+def test_cold_start_schedule():
+    """A new head starts at a high learning rate and more steps per rollout, and settles into the warm regime."""
+    warm = SpotSchedule(learning_rate=3e-5, steps_per_rollout=4, warmup_steps=1)
+    assert warm.learning_rate_at(0) == warm.learning_rate_at(500) == 3e-5
+    assert warm.steps_per_rollout_at(0) == 4
+    cold = SpotSchedule(learning_rate=3e-5, steps_per_rollout=4, cold_steps=100, warmup_steps=1)
+    assert cold.learning_rate_at(0) == pytest.approx(2e-3) and cold.steps_per_rollout_at(0) == 16
+    assert 3e-5 < cold.learning_rate_at(50) < 2e-3 and cold.steps_per_rollout_at(50) == 10
+    assert cold.learning_rate_at(100) == cold.learning_rate_at(400) == pytest.approx(3e-5)
+    assert cold.steps_per_rollout_at(100) == 4
+    rates = [cold.learning_rate_at(s) for s in range(101)]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))  # monotone cosine
+    # the optimizer follows the schedule, and a resumed trainer continues it
+    tokenizer = build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120)
+    head = Eagle3Model.for_policy(build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=3))
+    spot = SpotTrainer(head, DataBuffer(), schedule=cold)
+    assert spot.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3) and spot.steps_per_rollout == 16

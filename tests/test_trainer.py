@@ -71,6 +71,20 @@ def test_private_hooks_we_override_still_exist():
     assert "LLM(" in inspect.getsource(VLLMGeneration._init_vllm)  # the call TLTVLLMGeneration adds kwargs to
     # sleep mode: generate() re-pushes the weights through sync_weights(), which TLTVLLMGeneration extends with the drafter
     assert "self.sync_weights()" in inspect.getsource(VLLMGeneration.generate)
+    # the training phase: every forward over completions goes through this method (positional arguments below; the
+    # rest are multimodal tensors, None for text), and _prepare_inputs buffers the split generation batch
+    params = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    assert list(params)[:8] == [
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+        "compute_aux_loss",
+    ]  # fmt: skip
+    assert all(p.default is None for p in list(params.values())[8:])
+    prepare_src = inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert "self._buffered_inputs = " in prepare_src and "split_tensor_dict(" in prepare_src
+    assert "self._buffered_inputs[self._step % self.args.steps_per_generation]" in prepare_src
+    grpo_src = inspect.getsource(GRPOTrainer)
+    for attribute in ("self._entropy_bonus_enabled =", "self.aux_loss_enabled =", "self.top_entropy_quantile ="):
+        assert attribute in grpo_src, attribute
     # the sampling settings are merged by transformers' own generate helper, as `generate` merges them
     params = list(inspect.signature(GenerationMixin._prepare_generation_config).parameters)
     assert params[:2] == ["self", "generation_config"]
@@ -222,15 +236,22 @@ def test_unsupported_generation_kwargs_are_rejected(tiny_model_dirs, tmp_path):
 
 
 def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, tmp_path):
+    # spot training off: the resumed run's step must leave the restored drafter as saved (spot: test_trainer_spot.py)
     trainer = train_one_step(
-        TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, save_strategy="steps", save_steps=1
+        TLTGRPOTrainer,
+        TLTConfig,
+        tiny_model_dirs["qwen2"],
+        tmp_path,
+        save_strategy="steps",
+        save_steps=1,
+        spot_training=False,
     )
     checkpoint = tmp_path / "checkpoint-1"
     saved = Eagle3Model.from_pretrained(checkpoint / "drafter", trainer.model).export_state_dict()
     assert torch.equal(saved["fc.weight"], trainer.tlt_drafter.model.fc.weight)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
-    args = TLTConfig(**config_kwargs(tmp_path, max_steps=2, save_strategy="no"))
+    args = TLTConfig(**config_kwargs(tmp_path, max_steps=2, save_strategy="no", spot_training=False))
     resumed = TLTGRPOTrainer(
         model=model, reward_funcs=reward_len, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2})
     )

@@ -1,4 +1,5 @@
 """`trl-tlt grpo`: TRL's GRPO script with `TLTGRPOTrainer`, in TRL's style (dataclass arguments, YAML, `TrlParser`).
+`trl-tlt train-drafter`: warm-start a drafter before RL (`trl_tlt.warm_start`; `trl-tlt train-drafter --help`).
 
     trl-tlt grpo --config recipe.yaml
     accelerate launch --config_file $(trl-tlt accelerate-config zero3) -m trl_tlt.cli grpo --config recipe.yaml
@@ -121,9 +122,8 @@ def grpo(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = (
-        "usage: trl-tlt grpo [--config recipe.yaml] [ARGS] | trl-tlt accelerate-config {"
-        + ",".join(sorted(p.stem for p in ACCELERATE_CONFIGS.glob("*.yaml")))
-        + "}"
+        "usage: trl-tlt grpo [--config recipe.yaml] [ARGS] | trl-tlt train-drafter --policy P --output DIR [ARGS] "
+        "| trl-tlt accelerate-config {" + ",".join(sorted(p.stem for p in ACCELERATE_CONFIGS.glob("*.yaml"))) + "}"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage + "\n\n" + __doc__)
@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     if command == "grpo":
         grpo(rest)
+    elif command == "train-drafter":
+        from .warm_start import main as train_drafter
+
+        train_drafter(rest)
     elif command == "accelerate-config":
         path = ACCELERATE_CONFIGS / f"{rest[0] if rest else ''}.yaml"
         if not rest or not path.exists():

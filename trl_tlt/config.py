@@ -24,7 +24,7 @@ class TLTConfig(GRPOConfig):
             (model-free lookup over the prompt and the sibling completions of the same prompt), `"none"` (the
             engine without speculation).
         drafter_model_name_or_path (`str` or `None`, *optional*, defaults to `None`):
-            With `drafter_type="eagle3"`: a warm-start EAGLE-3 checkpoint (from `scripts/train_drafter.py` or
+            With `drafter_type="eagle3"`: a warm-start EAGLE-3 checkpoint (from `trl-tlt train-drafter` or
             `save_drafter`); `None` = a new head for the policy (it accepts almost nothing until trained: set
             `spot_training=True` or warm-start it). With `drafter_type="model"`: path or Hub id of the drafter LM (required).
         num_speculative_tokens (`int`, *optional*, defaults to `4`):
@@ -40,11 +40,12 @@ class TLTConfig(GRPOConfig):
             parameter count) instead of the step's wall time. Its choices, and so the completions, then depend only on
             `seed`: a run repeats exactly (as with `speculative_selector="fixed"`), at the price of a cost model that
             ignores the hardware.
-        spot_training (`bool`, *optional*, defaults to `False`):
+        spot_training (`bool` or `None`, *optional*, defaults to `None`):
             Train the drafter online on the policy's recent rollouts (`drafter_type="eagle3"` or `"model"`). With
             several processes, each rank trains while its own rollouts are done and other ranks still generate,
             and the ranks' drafters are merged before the next rollout; with one process, `spot_steps_per_rollout`
-            steps run between rollouts (their time is reported as `tlt/spot_seconds`).
+            steps run between rollouts (their time is reported as `tlt/spot_seconds`). `None`: on whenever the
+            drafter has weights and the trainer holds it (trl-tlt's engine or vLLM colocate), off otherwise.
         spot_buffer_steps (`int`, *optional*, defaults to `2`):
             Rollouts kept in the drafter's data buffer (TLT's one-step offset: the current and the previous one).
         spot_buffer_max_tokens (`int`, *optional*, defaults to `262144`):
@@ -53,9 +54,14 @@ class TLTConfig(GRPOConfig):
             Packed tokens per drafter optimizer step. A rank that is idle drops its drafter step at the next phase
             boundary once the other ranks are done, so smaller steps delay them less.
         spot_learning_rate (`float`, *optional*, defaults to `3e-5`):
-            AdamW learning rate of the drafter (constant after 10 warm-up steps).
+            AdamW learning rate of the drafter in the warm regime (after 10 warm-up steps, and after the cold start).
         spot_steps_per_rollout (`int`, *optional*, defaults to `4`):
-            Drafter steps between two rollouts when there is a single process (no idle rank).
+            Drafter steps between two rollouts when there is a single process (no idle rank), in the warm regime.
+        spot_cold_start_steps (`int` or `None`, *optional*, defaults to `None`):
+            Drafter steps of a cold start: the learning rate starts at 2e-3 and the steps per rollout at 4x
+            `spot_steps_per_rollout` (what offline warm starts use), then both follow a cosine down to the warm regime
+            over this many steps. `None`: 300 for a new EAGLE-3 head (no `drafter_model_name_or_path`), 0 (no cold
+            start) for a warm-started head or a drafter LM.
         micro_batching (`str`, *optional*, defaults to `"length_grouped"`):
             How the training phase lays out completions (every forward over them: the loss, old and reference
             log-probs). `"trimmed"`: each forward runs at its own rows' longest completion instead of the generation
@@ -99,8 +105,9 @@ class TLTConfig(GRPOConfig):
             "help": "Bandit rewarded by a modelled step cost instead of wall time: runs repeat exactly per seed."
         },
     )
-    spot_training: bool = field(
-        default=False, metadata={"help": "Train the drafter online on recent rollouts, in the ranks' idle time."}
+    spot_training: bool | None = field(
+        default=None,
+        metadata={"help": "Train the drafter online on recent rollouts (None: whenever the drafter has weights)."},
     )
     spot_buffer_steps: int = field(default=2, metadata={"help": "Rollouts kept in the drafter's data buffer."})
     spot_buffer_max_tokens: int = field(
@@ -110,6 +117,10 @@ class TLTConfig(GRPOConfig):
     spot_learning_rate: float = field(default=3e-5, metadata={"help": "Learning rate of the drafter (AdamW)."})
     spot_steps_per_rollout: int = field(
         default=4, metadata={"help": "Drafter steps between rollouts with a single process."}
+    )
+    spot_cold_start_steps: int | None = field(
+        default=None,
+        metadata={"help": "Drafter steps of a new head's cold start (None: 300 for a new EAGLE-3 head, else 0)."},
     )
 
     micro_batching: str = field(
@@ -161,6 +172,8 @@ class TLTConfig(GRPOConfig):
         for name in ("spot_buffer_steps", "spot_buffer_max_tokens", "spot_tokens_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if self.spot_cold_start_steps is not None and self.spot_cold_start_steps < 0:
+            raise ValueError(f"`spot_cold_start_steps` must be >= 0, got {self.spot_cold_start_steps}.")
         if self.spot_steps_per_rollout < 0:
             raise ValueError(f"`spot_steps_per_rollout` must be >= 0, got {self.spot_steps_per_rollout}.")
         if self.spot_learning_rate <= 0:

@@ -11,10 +11,15 @@ forward over the step's packed tokens), so the buffer holds token ids only.
   finishes last never waits for more than one phase of a drafter step; then the ranks' drafters are merged by
   parameter averaging weighted by the steps each took, before anyone returns to RL work;
 - with one process (no idle rank), `steps_per_rollout` steps between rollouts, timed and reported.
+
+`SpotSchedule` sets the learning rate and the steps per rollout from the drafter's step count: constant for a
+warm-started drafter; for a new head, a cold start (a high learning rate and more steps per rollout, as offline warm
+starts use) that follows a cosine down to the warm regime over `cold_steps` drafter steps.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -100,6 +105,46 @@ class DataBuffer:
 
 
 @dataclass
+class SpotSchedule:
+    """Learning rate and drafter steps per rollout as functions of the drafter's step count.
+
+    Args:
+        learning_rate: The warm regime's learning rate (a warm-started drafter's, from the first step).
+        steps_per_rollout: The warm regime's drafter steps between rollouts (one process).
+        cold_steps: Length of a new head's cold start in drafter steps (0 = none): it starts at
+            `cold_learning_rate` and `cold_steps_per_rollout` and follows a cosine down to the warm values.
+        cold_learning_rate: Learning rate at the start of the cold start.
+        cold_steps_per_rollout: Steps per rollout at the start of the cold start.
+        warmup_steps: Linear warm-up of the learning rate.
+
+    Example:
+        >>> SpotSchedule(cold_steps=300).learning_rate_at(0)  # 2e-3 x 1/10 (warm-up)
+    """
+
+    learning_rate: float = 3e-5
+    steps_per_rollout: int = 4
+    cold_steps: int = 0
+    cold_learning_rate: float = 2e-3
+    cold_steps_per_rollout: int = 16
+    warmup_steps: int = 10
+
+    def _cold_weight(self, step: int) -> float:
+        """1 at the start of a cold start, 0 at its end and without one (cosine)."""
+        if self.cold_steps <= 0:
+            return 0.0
+        return 0.5 * (1.0 + math.cos(math.pi * min(step / self.cold_steps, 1.0)))
+
+    def learning_rate_at(self, step: int) -> float:
+        weight = self._cold_weight(step)
+        rate = self.learning_rate + (self.cold_learning_rate - self.learning_rate) * weight
+        return rate * min(1.0, (step + 1) / max(self.warmup_steps, 1))
+
+    def steps_per_rollout_at(self, step: int) -> int:
+        weight = self._cold_weight(step)
+        return round(self.steps_per_rollout + (self.cold_steps_per_rollout - self.steps_per_rollout) * weight)
+
+
+@dataclass
 class SpotStats:
     """What one spot phase (between the end of this rank's rollout and the next RL work) did on this rank."""
 
@@ -134,9 +179,8 @@ class SpotTrainer:
 
     Args:
         drafter: The drafter's model, trained in place (the generation engine sees every update).
-        learning_rate: AdamW learning rate (constant after `warmup_steps`).
+        schedule: Learning rate (AdamW) and drafter steps per rollout (one process) over the drafter's steps.
         tokens_per_step: Packed tokens per drafter optimizer step (smaller = finer preemption).
-        steps_per_rollout: Drafter steps between rollouts with one process.
         config: TTT / loss settings.
         group: Process group for the idle barrier and the merge (a dedicated gloo group), or None for one process.
     """
@@ -145,24 +189,22 @@ class SpotTrainer:
         self,
         drafter: Eagle3Model | PreTrainedModel,
         buffer: DataBuffer,
-        learning_rate: float = 3e-5,
+        schedule: SpotSchedule | None = None,
         tokens_per_step: int = 256,
-        steps_per_rollout: int = 4,
-        warmup_steps: int = 10,
         config: DistillConfig | None = None,
         group=None,
         seed: int = 0,
     ):
         self.drafter, self.buffer, self.group = drafter, buffer, group
-        self.tokens_per_step, self.steps_per_rollout = tokens_per_step, steps_per_rollout
+        self.schedule = schedule or SpotSchedule()
+        self.tokens_per_step = tokens_per_step
         self.config = config or DistillConfig()
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("The drafter has no trainable parameters: nothing for spot training to train.")
-        self.optimizer = torch.optim.AdamW(self.params, lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / max(warmup_steps, 1))
-        )
+        # The schedule gives the absolute rate: the optimizer's base rate is 1.
+        self.optimizer = torch.optim.AdamW(self.params, lr=1.0, betas=(0.9, 0.95), weight_decay=0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.learning_rate_at)
         self.rng = random.Random(seed)
         self.total_steps = 0
         if group is not None:
@@ -230,6 +272,11 @@ class SpotTrainer:
         return length
 
     # ------------------------------------------------------------------------------------------ phases
+    @property
+    def steps_per_rollout(self) -> int:
+        """Drafter steps the next phase between rollouts takes (one process), per the schedule."""
+        return self.schedule.steps_per_rollout_at(self.total_steps)
+
     def run_between_rollouts(self, policy: PreTrainedModel) -> SpotStats:
         """One process: `steps_per_rollout` drafter steps, timed (this time is added to the RL step)."""
         stats = SpotStats()

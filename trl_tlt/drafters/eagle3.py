@@ -213,6 +213,12 @@ class Eagle3Model(nn.Module):
         """Policy token id of every draft-vocabulary entry."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The policy's embedding of `input_ids`, outside autograd: training the head must never leave a gradient on
+        the policy's (shared) embedding, which the policy's own optimizer step would then apply."""
+        with torch.no_grad():
+            return self.embed_tokens(input_ids)
+
     def fuse(self, policy_hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Hugging Face `hidden_states` of the policy -> fused (.., H) inputs."""
         aux = torch.cat([policy_hidden_states[i] for i in self.aux_layer_ids], dim=-1)
@@ -245,7 +251,7 @@ class Eagle3Model(nn.Module):
         pre-norm outputs as `hidden_states[0]`.
         """
         layer = self.midlayer
-        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
+        embeds = self.embed(input_ids).to(hidden_states.dtype)
         cos, sin = self.rotary_emb(hidden_states, position_ids)
         q, k, v = layer.qkv(embeds, hidden_states, cos, sin)
         k, v = past_key_values.update(k, v, 0)
@@ -291,7 +297,7 @@ class Eagle3Model(nn.Module):
         hidden = hidden_states
         for j in range(ttt_length):
             ids_j = shift_left(input_ids, j, 0)
-            embeds = self.embed_tokens(ids_j).to(hidden.dtype)
+            embeds = self.embed(ids_j).to(hidden.dtype)
             cos, sin = self.rotary_emb(hidden, position_ids + j)
             q, k, v = layer.qkv(embeds, hidden, cos, sin)
             k, v = layer.repeat_kv(k), layer.repeat_kv(v)

@@ -1,12 +1,19 @@
-"""Warm-start a drafter for a policy offline (as SpecForge's online mode): the policy completes a dataset's
-prompts (or the dataset's completions are used), the drafter learns the policy's next-token distribution, and
-its acceptance length on held-out prompts is measured before and after training.
+"""`trl-tlt train-drafter`: warm-start a drafter for a policy before RL (as SpecForge's online mode).
+
+The policy completes a dataset's prompts at the RL sampling settings (or the dataset's own completions are used:
+SFT data), the drafter learns the policy's next-token distribution (progress bar), and its acceptance length on
+held-out prompts is measured before and after training. The output directory holds the drafter (EAGLE-3 in the
+layout vLLM loads, or the small LM / its LoRA adapters) and `train_report.json`; pass it to
+`TLTConfig(drafter_model_name_or_path=...)` or to vLLM's `speculative_config`.
 
     # EAGLE-3 head for the embedded policy, on the embedded task's prompts
-    python scripts/train_drafter.py --policy ~/.cache/trl_tlt/policy-c0e48ffec46e --output out/eagle3
+    trl-tlt train-drafter --policy ~/.cache/trl_tlt/policy-c0e48ffec46e --output out/eagle3
     # LoRA on a small LM, prompts from a local JSONL file with a "prompt" column
-    python scripts/train_drafter.py --policy my-policy --dataset data.jsonl --drafter-type model \
+    trl-tlt train-drafter --policy my-policy --dataset data.jsonl --drafter-type model \
         --drafter-model my-small-lm --lora-r 16 --output out/lm-lora
+
+The defaults are the embedded warm-start recipe (`trl_tlt.workload.DrafterRecipe`: 2,000 prompts, 5 epochs, learning
+rate 2e-3, 1,024 tokens per batch), which took the embedded policy's head from 1.02 to 4.27 tokens per step at k=4.
 """
 
 from __future__ import annotations
@@ -16,14 +23,11 @@ import json
 import os
 
 
-for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ.setdefault(_var, "1")
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from trl_tlt.drafter_training import DistillConfig, warm_start_drafter  # noqa: E402
-from trl_tlt.sampling import SamplingParams  # noqa: E402
+from .drafter_training import DistillConfig, warm_start_drafter
+from .sampling import SamplingParams
 
 
 def load_prompts(args, tokenizer):
@@ -31,7 +35,7 @@ def load_prompts(args, tokenizer):
     from datasets import load_dataset, load_from_disk
 
     if args.dataset == "embedded":
-        from trl_tlt.workload import make_dataset
+        from .workload import make_dataset
 
         dataset = make_dataset(args.num_prompts + args.eval_prompts, seed=args.seed + 7)
     elif os.path.isdir(args.dataset):
@@ -58,8 +62,8 @@ def load_prompts(args, tokenizer):
     return prompts, completions
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="trl-tlt train-drafter", description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", required=True, help="Path of the policy (a Hugging Face causal LM).")
     parser.add_argument("--output", required=True, help="Directory the drafter and train_report.json go to.")
     parser.add_argument(
@@ -72,17 +76,17 @@ def main() -> None:
     parser.add_argument("--drafter-type", choices=["eagle3", "model"], default="eagle3")
     parser.add_argument("--drafter-model", default=None, help="The small LM for --drafter-type model.")
     parser.add_argument("--lora-r", type=int, default=0, help="Train LoRA adapters of this rank (0 = all weights).")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--ttt-length", type=int, default=4)
-    parser.add_argument("--max-tokens-per-batch", type=int, default=2048)
+    parser.add_argument("--max-tokens-per-batch", type=int, default=1024)
     parser.add_argument("--draft-vocab-size", type=int, default=None)
     parser.add_argument("--aux-layer-ids", type=int, nargs=3, default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the acceptance evaluation.")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.drafter_type == "model" and not args.drafter_model:
         parser.error("--drafter-type model needs --drafter-model (a small LM with the policy's tokenizer).")
 
@@ -125,7 +129,14 @@ def main() -> None:
         k=args.num_speculative_tokens,
         seed=args.seed,
     )
+    before, after = report.get("before", {}), report.get("after", {})
+    if after:
+        print(
+            f"acceptance length at k={args.num_speculative_tokens}: {before['mean_acceptance_length']:.2f} -> "
+            f"{after['mean_acceptance_length']:.2f}; drafter written to {args.output}"
+        )
     print(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":
