@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 
-
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
