@@ -120,7 +120,16 @@ def phase_profile(runs: dict, name: str, seeds: list[int]) -> dict:
     return out
 
 
-LABELS = {"grpo": "GRPOTrainer", "tlt_padded": "TLTGRPOTrainer,\nTRL's training layout", "tlt": "TLTGRPOTrainer"}
+LABELS = {
+    "grpo": "GRPOTrainer",
+    "tlt_padded": "TLTGRPOTrainer,\nTRL's training layout",
+    "tlt": "TLTGRPOTrainer",
+    "tlt_new": "TLTGRPOTrainer,\nno drafter given",
+    "tlt_warm": "TLTGRPOTrainer,\nwarm-started head",
+    "tlt_lm": "TLTGRPOTrainer,\nown drafter LM",
+}
+# The drafter of the TLT arms that fix it (the others take --drafter-type).
+ARM_DRAFTERS = {"tlt_new": "eagle3-new", "tlt_warm": "eagle3", "tlt_lm": "model"}
 
 
 def plot_phases(result: dict, names: list[str], path: str) -> None:
@@ -130,7 +139,7 @@ def plot_phases(result: dict, names: list[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = [n for n in ("grpo", "tlt_padded", "tlt") if n in names]
+    order = [n for n in LABELS if n in names]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for name_index, name in enumerate(order):
         bottom = 0.0
@@ -171,6 +180,37 @@ class AcceptanceProbe(TrainerCallback):
         policy.train(was_training)
 
 
+def plot_steps(result: dict, names: list[str], path: str) -> None:
+    """Per step: the drafter's acceptance length at k = 4 (when probed) and every trainer's step time, per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 6.0), sharex=True)
+    colors = dict(zip(LABELS, ("#4c72b0", "#55a868", "#dd8452", "#c44e52", "#8172b2", "#937860")))
+    for name in names:
+        for i, (seed, run) in enumerate(result["runs"][name].items()):
+            steps = range(1, len(run["step_time"]) + 1)
+            label = LABELS[name].replace("\n", " ") if i == 0 else None
+            bottom.plot(steps, run["step_time"], color=colors[name], alpha=0.8, label=label)
+            probe = run.get("acceptance_length_k4")
+            if probe:
+                at = sorted(probe, key=int)
+                top.plot([int(s) for s in at], [probe[s] for s in at], "o-", color=colors[name],
+                         label=f"seed {seed}")  # fmt: skip
+    top.axhline(3.0, color="grey", linestyle=":", linewidth=1)
+    top.set_ylabel("acceptance length, k = 4")
+    top.set_title(f"drafter: {result['drafter_type']}; {result['batch']}")
+    top.legend(loc="lower right")
+    bottom.set_ylabel("step seconds")
+    bottom.set_xlabel("RL step")
+    bottom.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
     common = dict(
         output_dir=output_dir,
@@ -197,12 +237,13 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
         trainer_cls, config = timed(GRPOTrainer), GRPOConfig(**common)
     else:
         # eagle3-new: the out-of-the-box set-up (a new EAGLE-3 head, every TLTConfig default)
-        warm_start = {"model": build_draft_lm, "eagle3": build_eagle3_drafter}.get(args.drafter_type)
+        arm_drafter = ARM_DRAFTERS.get(name, args.drafter_type)
+        warm_start = {"model": build_draft_lm, "eagle3": build_eagle3_drafter}.get(arm_drafter)
         drafter = {"drafter_model_name_or_path": str(warm_start())} if warm_start else {}
-        drafter_type = "eagle3" if args.drafter_type == "eagle3-new" else args.drafter_type
+        drafter_type = "eagle3" if arm_drafter == "eagle3-new" else arm_drafter
         trainer_cls = timed(TLTGRPOTrainer)
         layout = {"micro_batching": "padded"} if name == "tlt_padded" else {}
-        config = TLTConfig(**common, drafter_type=drafter_type, **drafter, **layout)
+        config = TLTConfig(**common, drafter_type=drafter_type, **drafter, **layout, **json.loads(args.tlt_args))
     model = AutoModelForCausalLM.from_pretrained(policy_path)
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     train_set = make_dataset(args.num_prompts * args.steps, seed=100 + seed)
@@ -257,7 +298,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", default="0,1")
-    parser.add_argument("--trainers", default="grpo,tlt,tlt_padded", help="any of grpo, tlt, tlt_padded")
+    parser.add_argument(
+        "--trainers",
+        default="grpo,tlt,tlt_padded",
+        help="any of grpo, tlt, tlt_padded (TRL's training layout), tlt_new (a new EAGLE-3 head: every default), "
+        "tlt_warm (the warm-started head), tlt_lm (the 1-layer draft LM)",
+    )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=512)
@@ -268,6 +314,7 @@ def main() -> None:
         help="TLT drafter: eagle3 (warm-start head), eagle3-new (a new head: TLTConfig's defaults, nothing given), "
         "model (1-layer draft LM), ngram, none",
     )
+    parser.add_argument("--tlt-args", default="{}", help="extra TLTConfig fields for the TLT trainers, as JSON")
     parser.add_argument(
         "--acceptance-every", type=int, default=0, help="measure the drafter's acceptance at k=4 every N steps"
     )
@@ -275,6 +322,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--output", default=None)
     parser.add_argument("--plot", default=None, help="PNG of the phases of a step per trainer (median seconds)")
+    parser.add_argument("--plot-steps", default=None, help="PNG of step times and probed acceptance per step")
     args = parser.parse_args()
 
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # under torchrun: the 2-process variant
@@ -326,6 +374,7 @@ def main() -> None:
         "max_completion_length": args.max_completion_length,
         "learning_rate": args.learning_rate,
         "drafter_type": args.drafter_type,
+        "tlt_args": json.loads(args.tlt_args),
         "eval_accuracy_before": before,
         "runs": runs,
     }
@@ -343,6 +392,13 @@ def main() -> None:
         result["rollout_time_ratio"] = result["median_rollout_time_grpo"] / result["median_rollout_time_tlt"]
         result["training_phase_ratio"] = result["median_training_time_grpo"] / result["median_training_time_tlt"]
         result["reward_test"] = reward_comparison(runs, seeds)
+    def late_median(name):  # steps 10 to the end: after a new drafter's first steps
+        return statistics.median([t for s in seeds for t in runs[name][s]["step_time"][9:]])
+
+    for name in names:  # every TLT arm against GRPOTrainer, in this run
+        if name.startswith("tlt") and "grpo" in names:
+            result[f"step_time_ratio_{name}"] = result["median_step_time_grpo"] / result[f"median_step_time_{name}"]
+            result[f"step_time_ratio_steps_10_on_{name}"] = late_median("grpo") / late_median(name)
     if {"tlt", "tlt_padded"} <= set(names):
         result["training_phase_ratio_padded_over_tlt"] = (
             result["median_training_time_tlt_padded"] / result["median_training_time_tlt"]
@@ -356,6 +412,8 @@ def main() -> None:
     write_json(result, args.output)
     if args.plot:
         plot_phases(result, names, args.plot)
+    if args.plot_steps:
+        plot_steps(result, names, args.plot_steps)
 
 
 if __name__ == "__main__":

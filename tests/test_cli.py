@@ -67,3 +67,41 @@ def test_accelerate_configs_ship_with_the_package(capsys):
         assert config["distributed_type"] in ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP")
     with pytest.raises(SystemExit):
         cli.main(["accelerate-config", "zero9"])
+
+
+def test_train_drafter_subcommand_warm_starts_a_head_the_trainer_loads(tiny_model_dirs, tmp_path, capsys):
+    """`trl-tlt train-drafter`: the policy completes a dataset's prompts, the head trains, the acceptance before and
+    after is reported, and the output loads as `TLTConfig(drafter_model_name_or_path=...)`."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from trl_tlt import TLTConfig, TLTGRPOTrainer
+    from trl_tlt.drafters.eagle3 import Eagle3Model
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(12) for b in range(3)))
+    out = tmp_path / "drafter"
+    cli.main(
+        ["train-drafter", "--policy", tiny_model_dirs["qwen2"], "--output", str(out), "--dataset", str(data),
+         "--num-prompts", "32", "--eval-prompts", "4", "--epochs", "1", "--max-new-tokens", "8"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["num_samples"] == 32 and "acceptance length at k=4" in printed
+    assert report["after"]["mean_acceptance_length"] >= 1.0 and (out / "model.safetensors").is_file()
+    args = TLTConfig(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, report_to="none", num_generations=4,
+        per_device_train_batch_size=8, max_completion_length=8, drafter_model_name_or_path=str(out),
+    )  # fmt: skip
+    trainer = TLTGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]),
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["1+2="] * 8}),
+    )
+    saved = Eagle3Model.from_pretrained(out, trainer.model)
+    assert torch.equal(trainer.tlt_drafter.model.fc.weight, saved.fc.weight)
+    assert trainer.tlt_spot.schedule.cold_steps == 0  # a warm-started head starts in the warm regime
+    with pytest.raises(SystemExit):
+        cli.main(["train-drafter", "--policy", tiny_model_dirs["qwen2"], "--output", str(out), "--drafter-type", "model"])

@@ -154,7 +154,7 @@ def test_cold_start_schedule():
     assert warm.steps_per_rollout_at(0) == 4
     cold = SpotSchedule(learning_rate=3e-5, steps_per_rollout=4, cold_steps=100, warmup_steps=1)
     assert cold.learning_rate_at(0) == pytest.approx(2e-3) and cold.steps_per_rollout_at(0) == 16
-    assert 3e-5 < cold.learning_rate_at(50) < 2e-3 and cold.steps_per_rollout_at(50) == 10
+    assert 3e-5 < cold.learning_rate_at(50) < 2e-3 and cold.steps_per_rollout_at(50) == 10  # halfway
     assert cold.learning_rate_at(100) == cold.learning_rate_at(400) == pytest.approx(3e-5)
     assert cold.steps_per_rollout_at(100) == 4
     rates = [cold.learning_rate_at(s) for s in range(101)]

