@@ -392,6 +392,7 @@ def main() -> None:
         result["rollout_time_ratio"] = result["median_rollout_time_grpo"] / result["median_rollout_time_tlt"]
         result["training_phase_ratio"] = result["median_training_time_grpo"] / result["median_training_time_tlt"]
         result["reward_test"] = reward_comparison(runs, seeds)
+
     def late_median(name):  # steps 10 to the end: after a new drafter's first steps
         return statistics.median([t for s in seeds for t in runs[name][s]["step_time"][9:]])
 

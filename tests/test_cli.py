@@ -104,4 +104,6 @@ def test_train_drafter_subcommand_warm_starts_a_head_the_trainer_loads(tiny_mode
     assert torch.equal(trainer.tlt_drafter.model.fc.weight, saved.fc.weight)
     assert trainer.tlt_spot.schedule.cold_steps == 0  # a warm-started head starts in the warm regime
     with pytest.raises(SystemExit):
-        cli.main(["train-drafter", "--policy", tiny_model_dirs["qwen2"], "--output", str(out), "--drafter-type", "model"])
+        cli.main(
+            ["train-drafter", "--policy", tiny_model_dirs["qwen2"], "--output", str(out), "--drafter-type", "model"]
+        )
