@@ -197,11 +197,11 @@ def plot_steps(result: dict, names: list[str], path: str) -> None:
             probe = run.get("acceptance_length_k4")
             if probe:
                 at = sorted(probe, key=int)
-                top.plot([int(s) for s in at], [probe[s] for s in at], "o-", color=colors[name],
-                         label=f"seed {seed}")  # fmt: skip
+                top.plot([int(s) for s in at], [probe[s] for s in at], "os"[i % 2] + "-", color=colors[name],
+                         label=label)  # fmt: skip
     top.axhline(3.0, color="grey", linestyle=":", linewidth=1)
     top.set_ylabel("acceptance length, k = 4")
-    top.set_title(f"drafter: {result['drafter_type']}; {result['batch']}")
+    top.set_title(f"{result['batch']}, {len(result['runs'][names[0]])} seeds (one line each)")
     top.legend(loc="lower right")
     bottom.set_ylabel("step seconds")
     bottom.set_xlabel("RL step")

@@ -89,6 +89,15 @@ def drop_in(model_dir, output_dir, max_steps, trainer_name):
 
 def run_spot(model_dir, output_dir, max_steps, save_steps):
     trainer = make_trainer(model_dir, output_dir, max_steps, save_steps)
+    if os.environ.get("STEP_FILE"):  # tell the test which step is done (it signals the run mid-training)
+        from transformers import TrainerCallback
+
+        class StepFile(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                with open(os.environ["STEP_FILE"], "w") as f:
+                    f.write(str(state.global_step))
+
+        trainer.add_callback(StepFile())
     trainer.train()
     rank = trainer.accelerator.process_index
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.tlt_spot.params])

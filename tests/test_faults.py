@@ -1,6 +1,10 @@
 """A drafter fault costs speed, never correctness (docs/reliability.md): broken proposals leave rollouts lossless,
 non-finite drafter losses, gradients or weights are dropped or rolled back, and the policy trains as without them."""
 
+import dataclasses
+import json
+import re
+
 import pytest
 import torch
 from datasets import Dataset
@@ -22,6 +26,7 @@ from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.sampling import SamplingParams
 from trl_tlt.spot import DataBuffer, SpotSchedule, SpotTrainer
+from trl_tlt.tiny import build_tiny_model, build_tokenizer
 
 
 class FaultyDrafter(ModelDrafter):
@@ -158,3 +163,136 @@ def test_drafter_poisoned_mid_run_the_policy_trains_as_without(tiny_model_dirs, 
     assert all(bool(torch.isfinite(p).all()) for p in tlt.tlt_spot.params)
     for (name, p_base), (_, p_tlt) in zip(grpo.model.named_parameters(), tlt.model.named_parameters(), strict=True):
         torch.testing.assert_close(p_tlt, p_base, msg=name)
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+def construct(model_dir, tmp_path, dataset=None, **extra):
+    args = TLTConfig(**config_kwargs(tmp_path, **extra))
+    return TLTGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=reward_len,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}) if dataset is None else dataset,
+    )
+
+
+def saved_head(model_dir, path, **change):
+    head = Eagle3Model.for_policy(AutoModelForCausalLM.from_pretrained(model_dir))
+    head.save_pretrained(path)
+    if change:
+        config = json.loads((path / "config.json").read_text())
+        config.update(change)
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def drafter_lm(tokenizer, path, vocab_size=None, safe=True):
+    model = build_tiny_model(tokenizer, arch="llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    if vocab_size is not None:
+        model.resize_token_embeddings(vocab_size)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if not safe:  # pickle weights only (transformers 5 always writes safetensors)
+        torch.save(model.state_dict(), path / "pytorch_model.bin")
+        (path / "model.safetensors").unlink()
+    return path
+
+
+def bad_drafters(tiny_model_dirs, tokenizer, tmp_path):
+    """(TLTConfig fields, what the error must name) per bad drafter."""
+    policy = tiny_model_dirs["qwen2"]
+    eagle = {"drafter_type": "eagle3"}
+    model = {"drafter_type": "model"}
+    truncated = saved_head(policy, tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    bad_json = saved_head(policy, tmp_path / "bad-json")
+    (bad_json / "config.json").write_text("{not json")
+    other = build_tokenizer(["completely different words and digits 9 8 7"] * 20, vocab_size=len(tokenizer))
+    return {
+        "eagle3 missing": ({**eagle, "drafter_model_name_or_path": str(tmp_path / "nowhere")}, "nowhere"),
+        "eagle3 truncated weights": ({**eagle, "drafter_model_name_or_path": str(truncated)}, "model.safetensors"),
+        "eagle3 corrupt config": ({**eagle, "drafter_model_name_or_path": str(bad_json)}, "config.json"),
+        "eagle3 other hidden size": (
+            {**eagle, "drafter_model_name_or_path": str(saved_head(policy, tmp_path / "h", target_hidden_size=128))},
+            "hidden size 128",
+        ),
+        "eagle3 layers beyond the policy": (
+            {
+                **eagle,
+                "drafter_model_name_or_path": str(
+                    saved_head(
+                        policy,
+                        tmp_path / "layers",
+                        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 7], "use_aux_hidden_state": True},
+                    )
+                ),
+            },
+            "reads policy layers",
+        ),
+        "model missing": (
+            {**model, "drafter_model_name_or_path": str(tmp_path / "nowhere")},
+            "drafter_model_name_or_path",
+        ),
+        "model pickle weights": (
+            {**model, "drafter_model_name_or_path": str(drafter_lm(tokenizer, tmp_path / "bin", safe=False))},
+            "safetensors",
+        ),
+        "model smaller vocabulary": (
+            {**model, "drafter_model_name_or_path": str(drafter_lm(tokenizer, tmp_path / "small", vocab_size=100))},
+            "fewer than the policy tokenizer",
+        ),
+        "model other tokenizer": (
+            {**model, "drafter_model_name_or_path": str(drafter_lm(other, tmp_path / "other", len(tokenizer)))},
+            "different tokenizer",
+        ),
+    }
+
+
+def test_bad_drafters_are_refused_at_construction(tiny_model_dirs, tokenizer, tmp_path):
+    for name, (fields, named) in bad_drafters(tiny_model_dirs, tokenizer, tmp_path).items():
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(named)):
+            construct(tiny_model_dirs["qwen2"], tmp_path / "out", **fields)
+            pytest.fail(f"{name}: accepted")
+
+
+def test_an_empty_dataset_is_refused_at_construction(tiny_model_dirs, tmp_path):
+    with pytest.raises(ValueError, match="train_dataset"):
+        construct(tiny_model_dirs["qwen2"], tmp_path, dataset=Dataset.from_dict({"prompt": []}))
+
+
+INVALID_CONFIGS = [
+    ({"drafter_type": "medusa"}, "drafter_type"),
+    ({"drafter_type": "model"}, "drafter_model_name_or_path"),
+    ({"speculative_selector": "greedy"}, "speculative_selector"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"micro_batching": "packed"}, "micro_batching"),
+    ({"selector_epsilon": 1.5}, "selector_epsilon"),
+    ({"spot_training": True, "drafter_type": "ngram"}, "spot_training"),
+    ({"spot_training": True, "use_vllm": True, "vllm_mode": "server"}, "spot_training"),
+    ({"vllm_speculative_max_batch_size": -1}, "vllm_speculative_max_batch_size"),
+    ({"spot_buffer_steps": 0}, "spot_buffer_steps"),
+    ({"spot_buffer_max_tokens": 0}, "spot_buffer_max_tokens"),
+    ({"spot_tokens_per_step": 0}, "spot_tokens_per_step"),
+    ({"spot_cold_start_steps": -1}, "spot_cold_start_steps"),
+    ({"spot_steps_per_rollout": -1}, "spot_steps_per_rollout"),
+    ({"spot_learning_rate": 0.0}, "spot_learning_rate"),
+]
+
+
+@pytest.mark.parametrize(("fields", "named"), INVALID_CONFIGS, ids=[next(iter(f)) for f, _ in INVALID_CONFIGS])
+def test_every_invalid_config_value_is_named(fields, named, tmp_path):
+    with pytest.raises(ValueError, match=named):
+        TLTConfig(**config_kwargs(tmp_path, **fields))
+
+
+def test_every_tlt_field_is_validated():
+    """A new TLTConfig field must join INVALID_CONFIGS (or this list, with the reason it accepts every value)."""
+    free = {
+        "drafter_model_name_or_path",  # checked when the drafter is loaded (test_bad_drafters_...)
+        "spot_training",  # a bool or None
+        "selector_deterministic",  # a bool
+    }
+    tlt_fields = {f.name for f in dataclasses.fields(TLTConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    covered = {name for fields, _ in INVALID_CONFIGS for name in fields}
+    assert tlt_fields - free <= covered, sorted(tlt_fields - free - covered)

@@ -3,6 +3,7 @@
 import os
 import random
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -145,6 +146,50 @@ def test_two_ranks_train_while_idle_and_merge():
     assert torch.equal(first["flat"], second["flat"])  # merged: both ranks hold the same drafter
     assert not torch.equal(first["flat"], first["start"])  # ... the one the idle rank trained
     assert first["summary"]["steps"] == first["steps"] and first["summary"]["loss"] is not None
+
+
+def _rank_fails(rank, init_file, results, policy_state, failure):
+    """Rank 1 dies (exits) or hangs (past the group's 3 s timeout) while rank 0 waits for it in spot training."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    tokenizer = build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120)
+    policy = build_tiny_model(tokenizer, arch="qwen2", hidden_size=64, num_hidden_layers=3, num_attention_heads=2)
+    policy.load_state_dict(policy_state)
+    buffer = DataBuffer(window=2)
+    buffer.add(*rollout(16, 20, offset=rank))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    spot = SpotTrainer(Eagle3Model.for_policy(policy), buffer, tokens_per_step=128, group=group)
+    if rank == 1:
+        if failure == "dies":
+            os._exit(1)
+        time.sleep(12)  # hangs in its rollout
+        os._exit(0)
+    start = time.perf_counter()
+    try:
+        spot.run_while_idle(policy)
+        results[0] = ("no error", time.perf_counter() - start)
+    except RuntimeError as error:
+        results[0] = (str(error), time.perf_counter() - start)
+    os._exit(0)  # no teardown with a dead peer
+
+
+@pytest.mark.parametrize("failure", ["dies", "hangs"])
+def test_a_dead_or_hung_rank_is_an_error_naming_rank_and_phase(policy, failure, tmp_path):
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        context = mp.start_processes(
+            _rank_fails,
+            args=(str(tmp_path / "init"), results, policy.state_dict(), failure),
+            nprocs=2,
+            join=False,
+            start_method="spawn",
+        )
+        for process in context.processes:
+            process.join(timeout=120)
+        message, seconds = results[0]
+    assert "rank 0" in message and "idle barrier" in message and "ddp_timeout" in message
+    assert seconds < 60  # bounded by the group's timeout (3 s here), not forever
 
 
 def test_cold_start_schedule():

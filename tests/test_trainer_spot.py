@@ -55,11 +55,19 @@ def test_killed_run_resumes_with_policy_and_drafter_intact(tiny_model_dirs, tmp_
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    assert_resumes_intact(last_complete_checkpoint(out), tiny_model_dirs["qwen2"], tmp_path / "resumed")
+
+
+def last_complete_checkpoint(out):
     complete = sorted(
         (p for p in out.glob("checkpoint-*") if (p / DRAFTER_DIR).is_dir() and (p / "trainer_state.json").is_file()),
         key=lambda p: int(p.name.split("-")[1]),
     )
-    checkpoint = complete[-1]
+    return complete[-1]
+
+
+def assert_resumes_intact(checkpoint, model_dir, output_dir):
+    """Resuming from `checkpoint` restores the policy, the drafter and spot training's state exactly."""
     step = int(checkpoint.name.split("-")[1])
     assert not list(checkpoint.glob("*.tmp"))  # the drafter is renamed into place only once fully written
 
@@ -72,7 +80,7 @@ def test_killed_run_resumes_with_policy_and_drafter_intact(tiny_model_dirs, tmp_
             seen["spot_steps"] = trainer.tlt_spot.total_steps
             seen["global_step"] = state.global_step
 
-    trainer = make_trainer(tiny_model_dirs["qwen2"], str(tmp_path / "resumed"), max_steps=step + 1)
+    trainer = make_trainer(model_dir, str(output_dir), max_steps=step + 1)
     trainer.add_callback(Snapshot())
     trainer.train(resume_from_checkpoint=str(checkpoint))
     assert seen["global_step"] == step
@@ -83,6 +91,29 @@ def test_killed_run_resumes_with_policy_and_drafter_intact(tiny_model_dirs, tmp_
     spot_state = torch.load(checkpoint / DRAFTER_DIR / SPOT_STATE_NAME, weights_only=True)
     assert seen["spot_steps"] == spot_state["total_steps"] == step * trainer.args.spot_steps_per_rollout
     assert trainer.state.global_step == step + 1
+
+
+def test_sigterm_stops_at_the_end_of_the_step_with_a_checkpoint(tiny_model_dirs, tmp_path):
+    """A preempted job (SIGTERM mid-run, no periodic saves): the step finishes, policy and drafter are checkpointed,
+    the process exits cleanly, and the checkpoint resumes intact."""
+    out, step_file = tmp_path / "run", tmp_path / "step"
+    proc = subprocess.Popen(
+        [sys.executable, HELPER, tiny_model_dirs["qwen2"], str(out), "500"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "STEP_FILE": str(step_file)},
+    )
+    deadline = time.time() + 240
+    while not (step_file.is_file() and step_file.read_text().strip() not in ("", "0")):
+        assert proc.poll() is None and time.time() < deadline, "training stopped before its first step"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    assert "SIGTERM: training stops after step" in stderr.decode()
+    checkpoint = last_complete_checkpoint(out)
+    assert 1 <= int(checkpoint.name.split("-")[1]) < 500
+    assert_resumes_intact(checkpoint, tiny_model_dirs["qwen2"], tmp_path / "resumed")
 
 
 def test_checkpoint_without_drafter_is_refused(tiny_model_dirs, tmp_path):

@@ -19,6 +19,7 @@ starts use) that follows a cosine down to the warm regime over `cold_steps` draf
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -185,6 +186,7 @@ class SpotTrainer:
         tokens_per_step: Packed tokens per drafter optimizer step (smaller = finer preemption).
         config: TTT / loss settings.
         group: Process group for the idle barrier and the merge (a dedicated gloo group), or None for one process.
+            Its timeout bounds every wait for the other ranks: a rank that died or hangs becomes an error.
     """
 
     def __init__(
@@ -344,7 +346,8 @@ class SpotTrainer:
                     stats.steps += 1
                     stats.losses.append(loss)
             stats.seconds_used = time.perf_counter() - start
-        barrier.wait()
+        with self._peers("the idle barrier (waiting for the other ranks' rollouts)"):
+            barrier.wait()
         stats.idle_seconds = time.perf_counter() - start
         if not self.check_weights():  # never average a non-finite drafter into the others
             stats.steps = 0
@@ -356,13 +359,15 @@ class SpotTrainer:
     def _merge(self, stats: SpotStats) -> None:
         """Sum the ranks' statistics; if any rank trained, average the drafters weighted by the steps each took."""
         totals = torch.tensor(stats._local_totals(), dtype=torch.float64)
-        dist.all_reduce(totals, group=self.group)
+        with self._peers("the merge of the ranks' drafters"):
+            dist.all_reduce(totals, group=self.group)
         stats.summarize(totals.tolist())
         total_steps = stats.summary["steps"]
         if total_steps == 0:
             return
         flat = torch.cat([p.detach().float().cpu().reshape(-1) for p in self.params]) * (stats.steps / total_steps)
-        dist.all_reduce(flat, group=self.group)
+        with self._peers("the merge of the ranks' drafters"):
+            dist.all_reduce(flat, group=self.group)
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -375,8 +380,22 @@ class SpotTrainer:
     def _broadcast_from_first_rank(self) -> None:
         for p in self.params:
             buf = p.detach().cpu().clone()
-            dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
+            with self._peers("the first rank's broadcast of the initial drafter"):
+                dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
             p.copy_(buf.to(p.device))
+
+    @contextlib.contextmanager
+    def _peers(self, phase: str):
+        """A collective with the other ranks: if one of them died or hangs (the group's timeout, the trainer's
+        `ddp_timeout`), an error naming this rank and the phase, never a wait forever."""
+        try:
+            yield
+        except RuntimeError as error:  # gloo: connection closed by a dead peer, or timed out
+            raise RuntimeError(
+                f"Spot training, {phase}: rank {dist.get_rank()} got no answer from the other ranks ({error}). One of "
+                "them died or hangs (the wait is bounded by `ddp_timeout`). Resume from the last checkpoint (its "
+                "drafter/ folder holds the drafter)."
+            ) from error
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
+from collections.abc import Sized
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GenerationConfig, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, TrainerCallback
 from transformers.generation.utils import GenerationMixin
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
@@ -119,6 +122,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         with mock.patch.object(grpo_trainer, "VLLMGeneration", self._build_vllm_generation):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self.args: TLTConfig = _tlt_config(self.args)
+        if isinstance(self.train_dataset, Sized) and len(self.train_dataset) == 0:
+            raise ValueError("`train_dataset` is empty: pass a dataset with at least one prompt to train on.")
         if self.args.use_transformers_continuous_batching:
             raise ValueError(
                 "TLTGRPOTrainer generates with its speculative engine; `use_transformers_continuous_batching=True` "
@@ -153,6 +158,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._drafter_writer: threading.Thread | None = None
         self._drafter_write_error: tuple[Path, BaseException] | None = None
         self.add_callback(_JoinDrafterWrites(self))
+        self.add_callback(_GracefulStop(self))
         # One stream per rank: ranks sample different prompts, but their noise must not be correlated either.
         seed = self.args.seed + self.accelerator.process_index
         self._tlt_generator = torch.Generator(device=self.accelerator.device).manual_seed(seed)
@@ -226,10 +232,40 @@ class TLTGRPOTrainer(GRPOTrainer):
             torch.manual_seed(self.args.seed)
             if kind == "eagle3":
                 return Eagle3Drafter(self._build_eagle3())
-            drafter_lm = AutoModelForCausalLM.from_pretrained(self.args.drafter_model_name_or_path)
+            drafter_lm = self._load_drafter_lm(self.args.drafter_model_name_or_path)
         drafter_lm.to(device)
         vocab_size = self.model.config.get_text_config().vocab_size
         return ModelDrafter(drafter_lm, vocab_size)
+
+    def _load_drafter_lm(self, path: str) -> PreTrainedModel:
+        """The drafter LM (safetensors weights only, no remote code), refused by name unless it reads the policy's
+        tokens: its vocabulary covers the policy tokenizer's, and a tokenizer saved with it is the policy's."""
+        try:
+            drafter_lm = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True)
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"Cannot load the drafter LM `drafter_model_name_or_path={path!r}` (a causal LM saved with "
+                f"save_pretrained, safetensors weights): {error}"
+            ) from error
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        drafter_vocab = drafter_lm.config.get_text_config().vocab_size
+        if drafter_vocab < len(tokenizer):
+            raise ValueError(
+                f"The drafter LM {path!r} has {drafter_vocab} token embeddings, fewer than the policy tokenizer's "
+                f"{len(tokenizer)} tokens: it cannot read the policy's sequences. Use a drafter with the policy's "
+                "tokenizer (the same model family), or drafter_type='eagle3'."
+            )
+        try:
+            drafter_tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):  # no tokenizer saved with the drafter: the vocabulary size is all to check
+            return drafter_lm
+        if drafter_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(
+                f"The drafter LM {path!r} was saved with a different tokenizer than the policy's: its token ids mean "
+                "other tokens, so it would draft nonsense. Use a drafter with the policy's tokenizer, or "
+                "drafter_type='eagle3'."
+            )
+        return drafter_lm
 
     def _build_eagle3(self) -> Eagle3Model:
         policy = self.accelerator.unwrap_model(self.model)
@@ -284,7 +320,9 @@ class TLTGRPOTrainer(GRPOTrainer):
     def _build_spot_trainer(self) -> SpotTrainer:
         args = self.args
         # A dedicated gloo group: the idle barrier and the merge never touch the policy's process group.
-        group = dist.new_group(backend="gloo") if self.accelerator.num_processes > 1 else None
+        # Its timeout (`ddp_timeout`, as the policy's collectives) turns a dead or hung rank into an error.
+        timeout = datetime.timedelta(seconds=args.ddp_timeout)
+        group = dist.new_group(backend="gloo", timeout=timeout) if self.accelerator.num_processes > 1 else None
         cold_steps = args.spot_cold_start_steps
         if cold_steps is None:  # a new EAGLE-3 head starts cold; a warm-started head or a drafter LM does not
             new_head = args.drafter_type == "eagle3" and args.drafter_model_name_or_path is None
@@ -712,3 +750,43 @@ class _JoinDrafterWrites(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer.join_drafter_writes()
+
+
+class _GracefulStop(TrainerCallback):
+    """SIGTERM (a preempted or cancelled job) ends training at the end of the current optimizer step, with a
+    checkpoint of the policy and the drafter, instead of killing it mid-step. A second SIGTERM kills at once. Not
+    installed where a SIGTERM handler is already set (the user's or a launcher's), or outside the main thread."""
+
+    def __init__(self, trainer: TLTGRPOTrainer):
+        self.trainer = trainer
+        self.requested = False
+        self._installed = False
+
+    def _handle(self, signum, frame):
+        if self.requested:  # the second one: the default action (terminate)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.requested = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.requested = False
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        requested = self.requested
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes > 1:  # every rank stops at the same step, whichever got the signal
+            flag = torch.tensor([float(requested)], device=accelerator.device)
+            requested = bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+        if requested:
+            logger.warning(f"SIGTERM: training stops after step {state.global_step} with a checkpoint.")
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._installed = False

@@ -354,7 +354,10 @@ class Eagle3Model(nn.Module):
         path = Path(path)
         if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
             raise FileNotFoundError(f"{path} is not an EAGLE-3 drafter: it needs config.json and {WEIGHTS_NAME}.")
-        raw = json.loads((path / "config.json").read_text())
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"Cannot read the EAGLE-3 drafter config {path / 'config.json'}: {error}") from error
         try:
             state = load_file(str(path / WEIGHTS_NAME))
             with safe_open(str(path / WEIGHTS_NAME), "pt") as f:
@@ -372,6 +375,12 @@ class Eagle3Model(nn.Module):
             raise ValueError(
                 f"Drafter {path} was built for a policy with hidden size {config.target_hidden_size} and vocabulary "
                 f"{config.vocab_size}; this policy has {policy_text.hidden_size} and {policy_text.vocab_size}."
+            )
+        layer_ids = raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        if max(layer_ids) >= policy_text.num_hidden_layers:
+            raise ValueError(
+                f"Drafter {path} reads policy layers {layer_ids}; this policy has {policy_text.num_hidden_layers}. "
+                "It was built for another policy: warm-start one for this policy (trl-tlt train-drafter)."
             )
         model = cls(config, policy.get_input_embeddings()).to(state["fc.weight"].dtype)  # the saved dtype: exact
         missing = set(model.export_state_dict()) - set(state)
