@@ -190,7 +190,7 @@ def plot_steps(result: dict, names: list[str], path: str) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 6.0), sharex=True)
     colors = dict(zip(LABELS, ("#4c72b0", "#55a868", "#dd8452", "#c44e52", "#8172b2", "#937860")))
     for name in names:
-        for i, (seed, run) in enumerate(result["runs"][name].items()):
+        for i, run in enumerate(result["runs"][name].values()):
             steps = range(1, len(run["step_time"]) + 1)
             label = LABELS[name].replace("\n", " ") if i == 0 else None
             bottom.plot(steps, run["step_time"], color=colors[name], alpha=0.8, label=label)
