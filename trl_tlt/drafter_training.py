@@ -299,18 +299,27 @@ def train_drafter(
 
 @torch.no_grad()
 def generate_samples(
-    policy: PreTrainedModel, prompts: list[list[int]], params, batch_size: int = 64, seed: int = 0
+    policy: PreTrainedModel,
+    prompts: list[list[int]],
+    params,
+    batch_size: int = 64,
+    seed: int = 0,
+    progress: bool = False,
 ) -> list[DrafterSample]:
     """The policy's own completions of `prompts` (the engine without speculation)."""
+    from tqdm.auto import tqdm
+
     from .engine import SpeculativeEngine
 
     engine = SpeculativeEngine(policy)
     generator = torch.Generator(device=policy.device).manual_seed(seed)
     samples = []
-    for begin in range(0, len(prompts), batch_size):
-        batch = prompts[begin : begin + batch_size]
-        out = engine.generate(batch, params, generator=generator)
-        samples += [DrafterSample(p + c, len(p)) for p, c in zip(batch, out.completion_ids, strict=True) if c]
+    with tqdm(total=len(prompts), desc="policy samples", unit="prompt", disable=not progress) as bar:
+        for begin in range(0, len(prompts), batch_size):
+            batch = prompts[begin : begin + batch_size]
+            out = engine.generate(batch, params, generator=generator)
+            samples += [DrafterSample(p + c, len(p)) for p, c in zip(batch, out.completion_ids, strict=True) if c]
+            bar.update(len(batch))
     return samples
 
 
@@ -372,7 +381,7 @@ def warm_start_drafter(
 
     start = time.perf_counter()
     if completions is None:
-        samples = generate_samples(policy, prompts, params, seed=seed)
+        samples = generate_samples(policy, prompts, params, seed=seed, progress=progress)
     else:
         samples = [DrafterSample(p + c, len(p)) for p, c in zip(prompts, completions, strict=True) if c]
     if not samples:
