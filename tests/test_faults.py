@@ -4,6 +4,7 @@ non-finite drafter losses, gradients or weights are dropped or rolled back, and 
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from test_engine import (
     peaked_model,
     random_prompts,
 )
-from test_trainer import PROMPTS, config_kwargs, reward_len
+from test_trainer import PROMPTS, config_kwargs, reward_len, train_one_step
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
@@ -296,3 +297,79 @@ def test_every_tlt_field_is_validated():
     tlt_fields = {f.name for f in dataclasses.fields(TLTConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
     covered = {name for fields, _ in INVALID_CONFIGS for name in fields}
     assert tlt_fields - free <= covered, sorted(tlt_fields - free - covered)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_at_construction(tiny_model_dirs, tokenizer, tmp_path, caplog):
+    context = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]).config.max_position_embeddings
+    too_long = " ".join(["a"] * (context + 5))
+    conversational = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in [*PROMPTS, too_long]]})
+    with pytest.raises(ValueError, match=rf"train_dataset row {len(PROMPTS)}: .*max_position_embeddings={context}"):
+        construct(tiny_model_dirs["qwen2"], tmp_path, dataset=conversational)
+    with pytest.raises(ValueError, match="eval_dataset row 1"):
+        TLTGRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]),
+            reward_funcs=reward_len,
+            args=TLTConfig(**config_kwargs(tmp_path)),
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+            eval_dataset=Dataset.from_dict({"prompt": [PROMPTS[0], too_long]}),
+        )
+    # Fits, but a completion of max_completion_length would run past the context: warned once, as it trains on.
+    words = context
+    while len(tokenizer(" ".join(["a"] * words))["input_ids"]) > context - 3:
+        words -= 1
+    near = " ".join(["a"] * words)
+    with caplog.at_level("WARNING"):
+        construct(tiny_model_dirs["qwen2"], tmp_path, dataset=Dataset.from_dict({"prompt": [*PROMPTS, near]}))
+    assert [r.getMessage() for r in caplog.records if "max_completion_length" in r.getMessage()] == [
+        f"1 of {len(PROMPTS) + 1} prompts in train_dataset leave fewer than max_completion_length=12 tokens of the "
+        f"policy's context (max_position_embeddings={context}): a completion that long runs past the positions the "
+        "model knows, as with GRPOTrainer. Lower max_completion_length or drop the longest prompts."
+    ]
+
+
+def test_hub_tokens_are_never_logged_or_written(tiny_model_dirs, tmp_path, monkeypatch, caplog, capsys):
+    """A token given as `hub_token`, `HF_TOKEN` or to `push_drafter_to_hub` reaches huggingface_hub only: not the
+    logs (at debug level), stdout/stderr, the model card, or a text file of a checkpoint."""
+    import huggingface_hub
+    from transformers.utils import logging as hf_logging
+
+    secrets = {"arg": "hf_ArgSecret0123456789", "env": "hf_EnvSecret0123456789", "push": "hf_PushSecret0123456789"}
+    monkeypatch.setenv("HF_TOKEN", secrets["env"])
+    seen = {}
+
+    class FakeApi:  # the Hub boundary: never called for real in tests
+        def __init__(self, token=None):
+            seen["token"] = token
+
+        def create_repo(self, repo_id, **kwargs):
+            pass
+
+        def upload_folder(self, folder_path, repo_id, commit_message):
+            seen["texts"] = [p.read_text() for p in Path(folder_path).iterdir() if p.suffix in (".md", ".json")]
+            return "commit"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_debug()
+    try:
+        with caplog.at_level("DEBUG"):
+            trainer = train_one_step(
+                TLTGRPOTrainer,
+                TLTConfig,
+                tiny_model_dirs["qwen2"],
+                tmp_path,
+                hub_token=secrets["arg"],
+                save_strategy="steps",
+                save_steps=1,
+            )
+            trainer.push_drafter_to_hub("me/drafter", token=secrets["push"])
+            print(trainer.args, trainer.state.log_history)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    assert seen["token"] == secrets["push"]
+    texts = [r.getMessage() for r in caplog.records] + list(capsys.readouterr()) + seen["texts"]
+    # Trainer pickles its arguments (training_args.bin, hub_token included) as in every Trainer checkpoint.
+    texts += [p.read_text() for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".json", ".md", ".txt")]
+    assert len(texts) > 10 and any("checkpoint-1" in t or "global_step" in t for t in texts)
+    for where, secret in secrets.items():
+        assert not [t for t in texts if secret in t], where

@@ -25,6 +25,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from datasets import Dataset
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, TrainerCallback
@@ -124,6 +125,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self.args: TLTConfig = _tlt_config(self.args)
         if isinstance(self.train_dataset, Sized) and len(self.train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: pass a dataset with at least one prompt to train on.")
+        self._check_prompt_lengths()
         if self.args.use_transformers_continuous_batching:
             raise ValueError(
                 "TLTGRPOTrainer generates with its speculative engine; `use_transformers_continuous_batching=True` "
@@ -193,6 +195,43 @@ class TLTGRPOTrainer(GRPOTrainer):
                 f"accepted as no-ops when sampling one sequence: {', '.join(sorted(_HARMLESS_GENERATION_KEYS))}) or "
                 "use GRPOTrainer."
             )
+
+    def _check_prompt_lengths(self) -> None:
+        """Refuse, at construction, a dataset prompt that fills the policy's context (GRPOTrainer would generate
+        past the positions the model knows, or fail mid-run on learned positions); warn once when a prompt plus
+        `max_completion_length` may run past it. Prompts are tokenized as GRPOTrainer does (`_tokenize_prompts`);
+        datasets that are not `datasets.Dataset`, vision-language models, environments and `rollout_func` are left
+        to the engine's check at generation time."""
+        context = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
+        if context is None or self._is_vlm or self.environment_factories is not None or self.rollout_func is not None:
+            return
+        named = {"train_dataset": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            named |= {f"eval_dataset[{key!r}]": dataset for key, dataset in self.eval_dataset.items()}
+        else:
+            named["eval_dataset"] = self.eval_dataset
+        room = context - self.args.max_completion_length
+        for name, dataset in named.items():
+            if not isinstance(dataset, Dataset) or "prompt" not in dataset.column_names:
+                continue
+            row, num_over = 0, 0
+            for batch in dataset.select_columns("prompt").iter(batch_size=1024):
+                for length in map(len, self._tokenize_prompts(batch["prompt"])[0]):
+                    if length >= context:
+                        raise ValueError(
+                            f"{name} row {row}: its prompt is {length} tokens, as long as the policy's context or "
+                            f"longer (max_position_embeddings={context}): no completion fits. Drop such prompts "
+                            f"(e.g. {name}.filter(...)) or use a policy with a longer context."
+                        )
+                    num_over += length > room
+                    row += 1
+            if num_over:
+                logger.warning(
+                    f"{num_over} of {row} prompts in {name} leave fewer than max_completion_length="
+                    f"{self.args.max_completion_length} tokens of the policy's context (max_position_embeddings="
+                    f"{context}): a completion that long runs past the positions the model knows, as with GRPOTrainer. "
+                    "Lower max_completion_length or drop the longest prompts."
+                )
 
     def _resolve_spot_training(self) -> bool:
         """`spot_training=None`: on whenever the trainer holds a drafter with weights (the engine's, or vLLM colocate's)."""
