@@ -92,10 +92,10 @@ def run_spot(model_dir, output_dir, max_steps, save_steps):
     if os.environ.get("STEP_FILE"):  # tell the test which step is done (it signals the run mid-training)
         from transformers import TrainerCallback
 
-        class StepFile(TrainerCallback):
+        class StepFile(TrainerCallback):  # "{rank}" in STEP_FILE: one file per rank; they also hold the pid
             def on_step_end(self, args, state, control, **kwargs):
-                with open(os.environ["STEP_FILE"], "w") as f:
-                    f.write(str(state.global_step))
+                with open(os.environ["STEP_FILE"].format(rank=args.process_index), "w") as f:
+                    f.write(f"{state.global_step} {os.getpid()}")
 
         trainer.add_callback(StepFile())
     trainer.train()
@@ -107,6 +107,7 @@ def run_spot(model_dir, output_dir, max_steps, save_steps):
         "drafter_sum": float(flat.double().sum()),
         "drafter_abs_sum": float(flat.double().abs().sum()),
         "total_steps": trainer.tlt_spot.total_steps,
+        "global_step": trainer.state.global_step,
         "logs": [{k: v for k, v in h.items() if k.startswith("tlt/")} for h in trainer.state.log_history],
     }
     with open(os.path.join(output_dir, f"report-{rank}.json"), "w") as f:

@@ -104,7 +104,7 @@ def test_sigterm_stops_at_the_end_of_the_step_with_a_checkpoint(tiny_model_dirs,
         env={**os.environ, "OMP_NUM_THREADS": "1", "STEP_FILE": str(step_file)},
     )
     deadline = time.time() + 240
-    while not (step_file.is_file() and step_file.read_text().strip() not in ("", "0")):
+    while not (step_file.is_file() and step_file.read_text().split()[:1] not in ([], ["0"])):
         assert proc.poll() is None and time.time() < deadline, "training stopped before its first step"
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
@@ -114,6 +114,29 @@ def test_sigterm_stops_at_the_end_of_the_step_with_a_checkpoint(tiny_model_dirs,
     checkpoint = last_complete_checkpoint(out)
     assert 1 <= int(checkpoint.name.split("-")[1]) < 500
     assert_resumes_intact(checkpoint, tiny_model_dirs["qwen2"], tmp_path / "resumed")
+
+
+def test_sigterm_to_one_of_two_ranks_stops_both_at_the_same_step(tiny_model_dirs, tmp_path):
+    """Under torchrun, SIGTERM to rank 1 alone: both ranks finish the same step, one checkpoint is written, both exit 0."""
+    out, step_file = tmp_path / "run", tmp_path / "step-{rank}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534"]
+    proc = subprocess.Popen(
+        [*cmd, HELPER, tiny_model_dirs["qwen2"], str(out), "500"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "STEP_FILE": str(step_file)},
+    )
+    rank1, deadline = tmp_path / "step-1", time.time() + 240
+    while not (rank1.is_file() and rank1.read_text().split()[:1] not in ([], ["0"])):
+        assert proc.poll() is None and time.time() < deadline, "training stopped before its first step"
+        time.sleep(0.05)
+    os.kill(int(rank1.read_text().split()[1]), signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    reports = [json.loads((out / f"report-{r}.json").read_text()) for r in (0, 1)]
+    checkpoint = last_complete_checkpoint(out)
+    assert reports[0]["global_step"] == reports[1]["global_step"] == int(checkpoint.name.split("-")[1]) < 500
+    assert stderr.decode().count("SIGTERM: training stops after step") == 2  # rank 0 saw rank 1's signal
 
 
 def test_checkpoint_without_drafter_is_refused(tiny_model_dirs, tmp_path):
