@@ -4,7 +4,6 @@ non-finite drafter losses, gradients or weights are dropped or rolled back, and 
 import dataclasses
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from test_engine import (
     peaked_model,
     random_prompts,
 )
-from test_trainer import PROMPTS, config_kwargs, reward_len, train_one_step
+from test_trainer import PROMPTS, config_kwargs, fake_hub, reward_len, train_one_step
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
@@ -330,25 +329,11 @@ def test_a_prompt_longer_than_the_context_is_refused_at_construction(tiny_model_
 def test_hub_tokens_are_never_logged_or_written(tiny_model_dirs, tmp_path, monkeypatch, caplog, capsys):
     """A token given as `hub_token`, `HF_TOKEN` or to `push_drafter_to_hub` reaches huggingface_hub only: not the
     logs (at debug level), stdout/stderr, the model card, or a text file of a checkpoint."""
-    import huggingface_hub
     from transformers.utils import logging as hf_logging
 
     secrets = {"arg": "hf_ArgSecret0123456789", "env": "hf_EnvSecret0123456789", "push": "hf_PushSecret0123456789"}
     monkeypatch.setenv("HF_TOKEN", secrets["env"])
-    seen = {}
-
-    class FakeApi:  # the Hub boundary: never called for real in tests
-        def __init__(self, token=None):
-            seen["token"] = token
-
-        def create_repo(self, repo_id, **kwargs):
-            pass
-
-        def upload_folder(self, folder_path, repo_id, commit_message):
-            seen["texts"] = [p.read_text() for p in Path(folder_path).iterdir() if p.suffix in (".md", ".json")]
-            return "commit"
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    uploaded = fake_hub(monkeypatch)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_debug()
     try:
@@ -366,8 +351,8 @@ def test_hub_tokens_are_never_logged_or_written(tiny_model_dirs, tmp_path, monke
             print(trainer.args, trainer.state.log_history)
     finally:
         hf_logging.set_verbosity(verbosity)
-    assert seen["token"] == secrets["push"]
-    texts = [r.getMessage() for r in caplog.records] + list(capsys.readouterr()) + seen["texts"]
+    assert uploaded["token"] == secrets["push"]
+    texts = [r.getMessage() for r in caplog.records] + list(capsys.readouterr()) + list(uploaded["texts"].values())
     # Trainer pickles its arguments (training_args.bin, hub_token included) as in every Trainer checkpoint.
     texts += [p.read_text() for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".json", ".md", ".txt")]
     assert len(texts) > 10 and any("checkpoint-1" in t or "global_step" in t for t in texts)

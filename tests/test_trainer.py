@@ -262,29 +262,37 @@ def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, 
         assert torch.equal(tensor, saved[name]), name
 
 
-def test_push_drafter_to_hub_uploads_drafter_and_card(tiny_model_dirs, tmp_path, monkeypatch):
+def fake_hub(monkeypatch) -> dict:
+    """Replace `huggingface_hub.HfApi` (the Hub boundary: never called for real in tests); returns what it was given:
+    the token, the repo created, the uploaded files' names and their texts (Markdown and JSON)."""
     import huggingface_hub
 
-    trainer = train_one_step(TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path)
     uploaded = {}
 
-    class FakeApi:  # the Hub boundary: never called for real in tests
+    class FakeApi:
         def __init__(self, token=None):
-            pass
+            uploaded["token"] = token
 
         def create_repo(self, repo_id, **kwargs):
             uploaded["created"] = repo_id
 
         def upload_folder(self, folder_path, repo_id, commit_message):
-            uploaded["files"] = sorted(p.name for p in Path(folder_path).iterdir())
-            uploaded["card"] = (Path(folder_path) / "README.md").read_text()
+            files = sorted(Path(folder_path).iterdir())
+            uploaded["files"] = [p.name for p in files]
+            uploaded["texts"] = {p.name: p.read_text() for p in files if p.suffix in (".md", ".json")}
             return "commit"
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    return uploaded
+
+
+def test_push_drafter_to_hub_uploads_drafter_and_card(tiny_model_dirs, tmp_path, monkeypatch):
+    trainer = train_one_step(TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path)
+    uploaded = fake_hub(monkeypatch)
     assert trainer.push_drafter_to_hub("me/drafter") == "commit"
     assert uploaded["created"] == "me/drafter"
     assert uploaded["files"] == ["README.md", "config.json", "model.safetensors"]
-    assert '"method": "eagle3"' in uploaded["card"]
+    assert '"method": "eagle3"' in uploaded["texts"]["README.md"]
 
 
 def test_model_free_drafter_has_nothing_to_save(tiny_model_dirs, tmp_path):

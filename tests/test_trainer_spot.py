@@ -93,6 +93,17 @@ def assert_resumes_intact(checkpoint, model_dir, output_dir):
     assert trainer.state.global_step == step + 1
 
 
+def wait_for_first_step(proc: subprocess.Popen, step_file: Path, timeout: float = 240) -> int:
+    """Wait until the helper run by `proc` has finished a step (its STEP_FILE holds "step pid"); returns the pid."""
+    deadline = time.time() + timeout
+    while True:
+        fields = step_file.read_text().split() if step_file.is_file() else []
+        if len(fields) == 2 and int(fields[0]) >= 1:
+            return int(fields[1])
+        assert proc.poll() is None and time.time() < deadline, "training stopped before its first step"
+        time.sleep(0.05)
+
+
 def test_sigterm_stops_at_the_end_of_the_step_with_a_checkpoint(tiny_model_dirs, tmp_path):
     """A preempted job (SIGTERM mid-run, no periodic saves): the step finishes, policy and drafter are checkpointed,
     the process exits cleanly, and the checkpoint resumes intact."""
@@ -103,10 +114,7 @@ def test_sigterm_stops_at_the_end_of_the_step_with_a_checkpoint(tiny_model_dirs,
         stderr=subprocess.PIPE,
         env={**os.environ, "OMP_NUM_THREADS": "1", "STEP_FILE": str(step_file)},
     )
-    deadline = time.time() + 240
-    while not (step_file.is_file() and step_file.read_text().split()[:1] not in ([], ["0"])):
-        assert proc.poll() is None and time.time() < deadline, "training stopped before its first step"
-        time.sleep(0.05)
+    wait_for_first_step(proc, step_file)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr.decode()[-2000:]
@@ -126,11 +134,7 @@ def test_sigterm_to_one_of_two_ranks_stops_both_at_the_same_step(tiny_model_dirs
         stderr=subprocess.PIPE,
         env={**os.environ, "OMP_NUM_THREADS": "1", "STEP_FILE": str(step_file)},
     )
-    rank1, deadline = tmp_path / "step-1", time.time() + 240
-    while not (rank1.is_file() and rank1.read_text().split()[:1] not in ([], ["0"])):
-        assert proc.poll() is None and time.time() < deadline, "training stopped before its first step"
-        time.sleep(0.05)
-    os.kill(int(rank1.read_text().split()[1]), signal.SIGTERM)
+    os.kill(wait_for_first_step(proc, tmp_path / "step-1"), signal.SIGTERM)
     _, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr.decode()[-3000:]
     reports = [json.loads((out / f"report-{r}.json").read_text()) for r in (0, 1)]
