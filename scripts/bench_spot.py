@@ -13,6 +13,16 @@ is kept aside. Every `--eval-every` steps both drafters draft for the current po
 and plotted.
 
     python scripts/bench_spot.py --mode adapt --steps 40 --output docs/benchmarks/spot_adapt_cpu.json
+
+`--mode drift` (one process): `--mode adapt` on the drift scenario (`trl_tlt.workload.build_drift_policy`, reward
+`style_reward`), one run per `--seeds`: GRPO moves the policy to its second solution style while the reward rises;
+records per seed the acceptance of the online drafter and of a frozen copy of the start (and the time of the
+held-out rollout with each), the reward, the steps-style share, before/after samples; and across seeds
+`adaptive_over_frozen_final` (mean), the acceptance changes, the reward rise vs the seed spread, and the share of
+step time spent in spot training.
+
+    python scripts/bench_spot.py --mode drift --steps 150 --learning-rate 1e-4 --seeds 0 1 \
+        --output docs/benchmarks/drift_cpu.json --plot docs/spot_drift.png
 """
 
 from __future__ import annotations
@@ -36,13 +46,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  #
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
 from trl_tlt.drafter_training import evaluate_acceptance  # noqa: E402
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
+from trl_tlt.engine import SpeculativeEngine  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
 from trl_tlt.workload import (  # noqa: E402
     accuracy_reward,
+    build_drift_policy,
     build_eagle3_drafter,
     build_policy,
     make_dataset,
     prompt_token_ids,
+    steps_style_fraction,
+    style_reward,
 )
 
 
@@ -66,7 +80,7 @@ class Recorder(TLTGRPOTrainer):
         return out
 
 
-def trainer_for(args, policy_path, drafter_path, output_dir, seed, spot, **overrides):
+def trainer_for(args, policy_path, drafter_path, output_dir, seed, spot, reward_funcs=accuracy_reward, **overrides):
     config = TLTConfig(
         output_dir=output_dir,
         use_cpu=True,
@@ -92,7 +106,7 @@ def trainer_for(args, policy_path, drafter_path, output_dir, seed, spot, **overr
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     data = make_dataset(args.prompts_per_rank * args.world * args.steps, seed=100 + seed)
     trainer = Recorder(
-        model=model, reward_funcs=accuracy_reward, args=config, train_dataset=data, processing_class=tokenizer
+        model=model, reward_funcs=reward_funcs, args=config, train_dataset=data, processing_class=tokenizer
     )
     trainer.trace = []
     return trainer
@@ -177,92 +191,167 @@ def run_ddp(args) -> dict:
     }
 
 
-def run_adapt(args) -> dict:
-    policy_path = build_policy(verbose=False)
-    tokenizer = AutoTokenizer.from_pretrained(policy_path)
-    eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=999)["prompt"])
-    params = SamplingParams(
-        temperature=1.0, max_new_tokens=args.max_completion_length, eos_token_ids=(tokenizer.eos_token_id,)
-    )
-    drafter_path = None if args.start == "new" else str(build_eagle3_drafter(verbose=False))
+def run_adapt(args, seed: int, drift: bool = False) -> dict:
+    """GRPO with spot training from a starting drafter; a frozen copy of it drafts beside the online one at every
+    evaluation. `drift`: the drift scenario (`build_drift_policy`, `style_reward`) instead of the embedded policy."""
     overrides = dict(
         spot_steps_per_rollout=args.spot_steps, speculative_selector="fixed", spot_learning_rate=args.spot_lr
     )
+    if drift:
+        policy_path, drafter_path = (str(p) for p in build_drift_policy(verbose=False))
+        overrides.update(
+            reward_funcs=[style_reward, steps_style_fraction, accuracy_reward], reward_weights=[1.0, 0.0, 0.0]
+        )
+    else:
+        policy_path = str(build_policy(verbose=False))
+        drafter_path = None if args.start == "new" else str(build_eagle3_drafter(verbose=False))
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    eval_set = make_dataset(args.eval_prompts, seed=999)
+    eval_prompts = prompt_token_ids(tokenizer, eval_set["prompt"])
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=args.max_completion_length, eos_token_ids=(tokenizer.eos_token_id,)
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = trainer_for(args, policy_path, drafter_path, tmp, args.seed, True, **overrides)
+        trainer = trainer_for(args, policy_path, drafter_path, tmp, seed, True, **overrides)
         adaptive: Eagle3Model = trainer.tlt_drafter.model
         frozen = adaptive.frozen_copy()
-        curve = []
+        curve, samples = [], {}
 
         def evaluate(step):
+            # Both drafters draft for the current policy on the same held-out prompts (same seed, k = 4): acceptance
+            # and the time of that rollout with each.
             policy = trainer.model.eval()
             row = {"step": step}
             for name, head in (("adaptive", adaptive), ("frozen", frozen)):
-                stats = evaluate_acceptance(policy, Eagle3Drafter(head), eval_prompts, params, k=4, seed=args.seed)
+                start = time.perf_counter()
+                stats = evaluate_acceptance(policy, Eagle3Drafter(head), eval_prompts, params, k=4, seed=seed)
+                row[f"{name}_rollout_seconds"] = time.perf_counter() - start
                 row[name] = stats["mean_acceptance_length"]
             policy.train()
             curve.append(row)
-            print(f"step {step}: acceptance adaptive {row['adaptive']:.3f} frozen {row['frozen']:.3f}", flush=True)
+            print(
+                f"seed {seed} step {step}: acceptance adaptive {row['adaptive']:.3f} frozen {row['frozen']:.3f}",
+                flush=True,
+            )
+
+        def sample(when):
+            engine = SpeculativeEngine(trainer.model.eval(), pad_token_id=tokenizer.pad_token_id)
+            out = engine.generate(
+                eval_prompts[:2], params, generator=torch.Generator().manual_seed(seed)
+            ).completion_ids
+            trainer.model.train()
+            samples[when] = tokenizer.batch_decode(out, skip_special_tokens=True)
 
         class Eval(TrainerCallback):
+            def on_log(self, a, state, control, logs=None, **kwargs):
+                if logs and "reward" in logs:
+                    share = logs.get("rewards/steps_style_fraction/mean")
+                    style = f" steps-style share {share:.2f}" if share is not None else ""
+                    accuracy = logs.get("rewards/accuracy_reward/mean")
+                    style += f" accuracy {accuracy:.2f}" if share is not None else ""
+                    print(f"seed {seed} step {state.global_step}: reward {logs['reward']:.3f}{style}", flush=True)
+
             def on_step_end(self, a, state, control, **kwargs):
-                if state.global_step % args.eval_every == 0:
+                if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
                     evaluate(state.global_step)
 
         trainer.add_callback(Eval())
         evaluate(0)
+        sample("start")
         trainer.train()
+        sample("end")
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    last = curve[-1]
-    result = {
-        "benchmark": "spot_adapt",
-        "machine": f"{machine()} per process",
-        "policy": policy_path.name,
+    window = min(10, len(logs))
+    return {
+        "seed": seed,
+        "policy": os.path.basename(policy_path),
         "start_drafter": drafter_path and os.path.basename(drafter_path) or "new EAGLE-3 head",
+        "acceptance": curve,
+        "final_ratio_adaptive_over_frozen": curve[-1]["adaptive"] / curve[-1]["frozen"],
+        "reward": [h["reward"] for h in logs],
+        "reward_first": statistics.mean(h["reward"] for h in logs[:window]),
+        "reward_last": statistics.mean(h["reward"] for h in logs[-window:]),
+        "steps_style_fraction": [h.get("rewards/steps_style_fraction/mean") for h in logs],
+        "accuracy": [h.get("rewards/accuracy_reward/mean") for h in logs],
+        "samples": samples,
+        "drafter_loss": [h.get("tlt/drafter_loss") for h in logs],
+        "spot_seconds": [h.get("tlt/spot_seconds") for h in logs],
+        "step_time": [h["step_time"] for h in logs],
+    }
+
+
+def run_drift(args) -> dict:
+    """The drift scenario over `--seeds`: adaptive vs frozen acceptance as GRPO moves the policy's style."""
+    runs = [run_adapt(args, seed, drift=True) for seed in args.seeds]
+
+    def change(run, name):
+        return run["acceptance"][-1][name] / run["acceptance"][0][name] - 1
+
+    rises = [r["reward_last"] - r["reward_first"] for r in runs]
+    finals = [r["reward_last"] for r in runs]
+    spot, total = sum(sum(r["spot_seconds"]) for r in runs), sum(sum(r["step_time"]) for r in runs)
+    return {
+        "benchmark": "spot_drift",
+        "machine": f"{machine()}, one process",
+        "policy": runs[0]["policy"],
+        "start_drafter": runs[0]["start_drafter"],
+        "reward": "style_reward (1.0 for a correct answer + 0.5 for the steps style)",
+        "seeds": args.seeds,
         "steps": args.steps,
         "batch": f"{args.prompts_per_rank} prompts x {args.num_generations} generations",
         "learning_rate": args.learning_rate,
         "spot_steps_per_rollout": args.spot_steps,
         "spot_learning_rate": args.spot_lr,
         "eval_prompts": args.eval_prompts,
-        "acceptance": curve,
-        "final_ratio_adaptive_over_frozen": last["adaptive"] / last["frozen"],
-        "reward": [h["reward"] for h in logs],
-        "reward_first5": statistics.mean(h["reward"] for h in logs[:5]),
-        "reward_last5": statistics.mean(h["reward"] for h in logs[-5:]),
-        "drafter_loss": [h.get("tlt/drafter_loss") for h in logs],
-        "spot_seconds": [h.get("tlt/spot_seconds") for h in logs],
-        "step_time": [h["step_time"] for h in logs],
+        "training_minutes_per_seed": [sum(r["step_time"]) / 60 for r in runs],
+        "adaptive_over_frozen_final": statistics.mean(r["final_ratio_adaptive_over_frozen"] for r in runs),
+        "frozen_change": [change(r, "frozen") for r in runs],
+        "adaptive_change": [change(r, "adaptive") for r in runs],
+        "rollout_seconds_frozen_over_adaptive_final": statistics.mean(
+            r["acceptance"][-1]["frozen_rollout_seconds"] / r["acceptance"][-1]["adaptive_rollout_seconds"]
+            for r in runs
+        ),
+        "reward_rise": statistics.mean(rises),
+        "reward_seed_spread": max(finals) - min(finals),
+        "steps_style_fraction_first": statistics.mean(statistics.mean(r["steps_style_fraction"][:10]) for r in runs),
+        "steps_style_fraction_last": statistics.mean(statistics.mean(r["steps_style_fraction"][-10:]) for r in runs),
+        "spot_share_of_step_time": spot / total,
+        "runs": runs,
     }
-    if args.plot:
-        plot_adapt(result, args.plot)
-    return result
 
 
-def plot_adapt(result: dict, path: str) -> None:
+def plot_adapt(runs: list[dict], path: str) -> None:
+    """Acceptance (adaptive vs frozen) over RL steps and the reward, one line per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    steps = [r["step"] for r in result["acceptance"]]
-    ax.plot(steps, [r["adaptive"] for r in result["acceptance"]], "o-", label="adaptive (spot training)")
-    ax.plot(steps, [r["frozen"] for r in result["acceptance"]], "s--", label="frozen copy of the start")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("mean acceptance length (k=4)")
-    ax.set_title(f"start: {result['start_drafter']}", fontsize=9)
-    ax.legend()
-    ax2.plot(range(1, len(result["reward"]) + 1), result["reward"], color="gray")
-    ax2.set_xlabel("RL step")
-    ax2.set_ylabel("mean reward (accuracy)")
+    drift = runs[0]["steps_style_fraction"][0] is not None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        steps = [r["step"] for r in run["acceptance"]]
+        seed = f"seed {run['seed']}"
+        ax.plot(steps, [r["adaptive"] for r in run["acceptance"]], "o-", color=color, label=f"adaptive, {seed}")
+        ax.plot(steps, [r["frozen"] for r in run["acceptance"]], "s--", color=color, label=f"frozen, {seed}")
+        ax2.plot(range(1, len(run["reward"]) + 1), run["reward"], color=color, alpha=0.6, label=f"reward, {seed}")
+        if drift:
+            fraction = run["steps_style_fraction"]
+            ax2.plot(range(1, len(fraction) + 1), fraction, ":", color=color, label=f"steps-style share, {seed}")
+    ax.set(xlabel="RL step", ylabel="mean acceptance length (k = 4)")
+    ax.set_title(f"{runs[0]['policy']}, start drafter {runs[0]['start_drafter']}", fontsize=8)
+    ax.legend(fontsize=7)
+    ax2.set(xlabel="RL step", ylabel="mean reward" + (" / steps-style share" if drift else " (accuracy)"))
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mode", choices=["ddp", "adapt"], required=True)
+    parser.add_argument("--mode", choices=["ddp", "adapt", "drift"], required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--blocks", type=int, default=1, help="ddp: pairs of (off, on) blocks")
     parser.add_argument("--prompts-per-rank", type=int, default=4)
@@ -270,6 +359,7 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=512)
     parser.add_argument("--learning-rate", type=float, default=5e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="drift: one run per seed")
     parser.add_argument("--start", choices=["warm", "new"], default="warm", help="adapt: the starting drafter")
     parser.add_argument("--spot-steps", type=int, default=4, help="adapt: drafter steps per rollout")
     parser.add_argument("--spot-lr", type=float, default=TLTConfig.spot_learning_rate)
@@ -288,12 +378,39 @@ def main() -> None:
         args.world = dist.get_world_size()
         result = run_ddp(args)
         is_main = dist.get_rank() == 0
+    elif args.mode == "adapt":
+        args.world, is_main = 1, True
+        run = run_adapt(args, args.seed)
+        result = {
+            "benchmark": "spot_adapt",
+            "machine": f"{machine()} per process",
+            "steps": args.steps,
+            "batch": f"{args.prompts_per_rank} prompts x {args.num_generations} generations",
+            "learning_rate": args.learning_rate,
+            "spot_steps_per_rollout": args.spot_steps,
+            "spot_learning_rate": args.spot_lr,
+            "eval_prompts": args.eval_prompts,
+            **run,
+        }
+        if args.plot:
+            plot_adapt([run], args.plot)
     else:
         args.world, is_main = 1, True
-        result = run_adapt(args)
+        result = run_drift(args)
+        if args.plot:
+            plot_adapt(result["runs"], args.plot)
     if not is_main:
         return
-    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "reward", "drafter_loss")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: v
+                for k, v in result.items()
+                if k not in ("runs", "reward", "drafter_loss", "spot_seconds", "step_time", "steps_style_fraction")
+            },
+            indent=2,
+        )
+    )
     write_json(result, args.output)
 
 

@@ -1,4 +1,5 @@
-"""The main job (`make demo`) end to end on a tiny policy: both trainers run, the four plots are written."""
+"""The main job (`make demo`) end to end on a tiny policy: both trainers run under the drift scenario's reward, the
+four plots are written."""
 
 import json
 
@@ -13,6 +14,7 @@ def test_demo_runs_and_writes_the_plots(tiny_model_dirs, tmp_path, capsys):
     )  # fmt: skip
     out = capsys.readouterr().out
     assert "drafter loss" in out and "median rollout time: GRPOTrainer" in out and "speculative_config" in out
+    assert "steps style" in out and "acceptance length, step 0 -> 2: adaptive" in out  # the drift scenario's view
     assert [r["step"] for r in history["tlt"]] == [1, 2] and [r["step"] for r in history["grpo"]] == [1, 2]
     assert [r["step"] for r in history["acceptance"]] == [0, 1, 2]  # adaptive vs frozen, before and after each step
     assert history["tail"]["active"][0] == 64  # 8 prompts x 8 samples at the first decode step

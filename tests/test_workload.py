@@ -5,12 +5,16 @@ import dataclasses
 import numpy as np
 
 from trl_tlt.workload import (
+    DriftRecipe,
     PolicyRecipe,
     TaskConfig,
     accuracy_reward,
     evaluate_policy,
     format_solution,
     make_dataset,
+    solution_style,
+    steps_style_fraction,
+    style_reward,
 )
 
 
@@ -22,6 +26,35 @@ TINY_RECIPE = PolicyRecipe(
 
 def test_solution_format_and_answer():
     assert format_solution(7, 13, 3) == "1: 7+13=20\n2: 20+13=33\n3: 33+13=46\n#### 46"
+
+
+def test_the_drift_scenarios_second_style_and_its_reward():
+    steps = format_solution(7, 13, 2, style="steps")
+    assert steps == "Step 1: 7 + 13 = 20\nStep 2: 20 + 13 = 33\n#### 33"
+    assert solution_style(steps) == "steps" and solution_style(format_solution(7, 13, 2)) == "compact"
+    wrong_steps = steps.replace("#### 33", "#### 34")
+    completions = [steps, format_solution(7, 13, 2), wrong_steps, "#### 1", [{"role": "assistant", "content": steps}]]
+    # A correct answer always beats a wrong one; at equal correctness the steps style wins.
+    assert style_reward(completions, ["33"] * 5) == [1.5, 1.0, 0.5, 0.0, 1.5]
+    assert steps_style_fraction(completions) == [1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_style_mix_changes_the_solutions_not_the_problems():
+    plain = make_dataset(400, seed=5, with_solutions=True)
+    mixed = make_dataset(400, seed=5, with_solutions=True, steps_style_fraction=0.3)
+    assert plain["prompt"] == mixed["prompt"] and plain["answer"] == mixed["answer"]
+    styles = [solution_style(c[0]["content"]) for c in mixed["completion"]]
+    assert 0.22 < styles.count("steps") / len(styles) < 0.38
+    assert {solution_style(c[0]["content"]) for c in plain["completion"]} == {"compact"}
+    for row in mixed:
+        assert accuracy_reward([row["completion"]], [row["answer"]]) == [1.0]
+    asked = make_dataset(400, seed=5, with_solutions=True, steps_prompt_fraction=0.5)
+    for row in asked:  # a prompt that asks for the steps style is answered in it
+        assert row["prompt"][0]["content"].endswith(", in steps") == (
+            solution_style(row["completion"][0]["content"]) == "steps"
+        )
+    assert plain["answer"] == asked["answer"]
+    assert DriftRecipe().key() != DriftRecipe(steps_style_fraction=0.5).key()
 
 
 def test_dataset_is_deterministic_and_answers_are_right():
@@ -91,3 +124,18 @@ def test_build_policy_is_deterministic_for_a_seed(tmp_path):
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
+
+
+def test_build_drift_policy_caches_the_start_policy_and_its_drafter(tmp_path):
+    from trl_tlt.workload import DrafterRecipe, build_drift_policy
+
+    base = dataclasses.replace(TINY_RECIPE, num_hidden_layers=3)  # an exportable EAGLE-3 head needs 3 layers
+    recipe = DriftRecipe(
+        policy=base, num_examples=64, drafter=DrafterRecipe(num_prompts=4, num_eval_prompts=2, epochs=1)
+    )
+    policy, drafter = build_drift_policy(recipe, cache_dir=tmp_path, verbose=False)
+    assert policy.name == f"drift-{recipe.key()}" and drafter.name == f"eagle3-drift-{recipe.key()}"
+    assert (policy / "config.json").exists() and (drafter / "config.json").exists()
+    assert (tmp_path / f"policy-{base.key()}").exists()  # fine-tuned from the embedded policy's recipe
+    assert not list(tmp_path.glob("*.tmp"))
+    assert build_drift_policy(recipe, cache_dir=tmp_path, verbose=False) == (policy, drafter)

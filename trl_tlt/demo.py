@@ -1,7 +1,9 @@
 """The main job (`make demo`): GRPO with TLTGRPOTrainer on the embedded workload, built offline, next to TRL's own.
 
-Builds (or reuses from the cache) the embedded SFT policy of `trl_tlt.workload` and its warm-start EAGLE-3
-drafter, then:
+Builds (or reuses from the cache) the drift scenario of `trl_tlt.workload` (`build_drift_policy`: the embedded SFT
+policy fine-tuned so that a second solution style is in its support, and its warm-start EAGLE-3 drafter); GRPO under
+`style_reward` (1 for a correct answer, +0.5 for the "Step 1: 7 + 13 = 20" style) moves the policy to that style
+while the reward rises, so a drafter frozen at the start goes stale. Then:
 
 1. runs GRPO with `TLTGRPOTrainer` (EAGLE-3 drafter trained online between rollouts, bandit selector), printing a
    per-step table (reward, rollout seconds, acceptance length, speculated fraction, drafter loss) under a progress
@@ -12,7 +14,10 @@ drafter, then:
    of the longest rollout with speculation marked (the long tail), rollout time per step and reward per step (TLT
    vs GRPO); exports the drafter and prints how to serve it with vLLM. Nothing is downloaded.
 
-    python -m trl_tlt.demo [--steps 12] [--output-dir DIR] [--plots-dir DIR] [--no-baseline]
+    python -m trl_tlt.demo [--steps 30] [--scenario drift|embedded] [--output-dir DIR] [--plots-dir DIR] [--no-baseline]
+
+`--scenario embedded` runs the embedded policy under its accuracy reward instead (little drift: adaptive and frozen
+drafters stay equal).
 """
 
 from __future__ import annotations
@@ -25,15 +30,22 @@ import tempfile
 import time
 
 
-COLUMNS = ("step", "reward", "rollout s", "step s", "accept len", "spec frac", "drafter loss")
+COLUMNS = ("step", "reward", "steps style", "rollout s", "step s", "accept len", "spec frac", "drafter loss")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12, help="GRPO steps (8 prompts x 8 samples each).")
+    parser.add_argument("--steps", type=int, default=30, help="GRPO steps (8 prompts x 8 samples each).")
+    parser.add_argument(
+        "--scenario",
+        choices=["drift", "embedded"],
+        default="drift",
+        help="drift: the drift scenario's policy and style_reward; embedded: the embedded policy, accuracy reward.",
+    )
+    parser.add_argument("--learning-rate", type=float, default=3e-5)
     parser.add_argument("--output-dir", default=None, help="Where to write the run (default: a temporary folder).")
     parser.add_argument("--plots-dir", default=None, help="Where to write the PNG plots (default: OUTPUT_DIR/plots).")
-    parser.add_argument("--eval-every", type=int, default=3, help="Steps between adaptive-vs-frozen evaluations.")
+    parser.add_argument("--eval-every", type=int, default=5, help="Steps between adaptive-vs-frozen evaluations.")
     parser.add_argument("--eval-prompts", type=int, default=32, help="Held-out prompts per evaluation.")
     parser.add_argument("--no-baseline", action="store_true", help="Skip the GRPOTrainer comparison run.")
     parser.add_argument("--max-completion-length", type=int, default=512)
@@ -61,10 +73,21 @@ def main(argv=None) -> dict:
     from trl_tlt.drafter_training import evaluate_acceptance
     from trl_tlt.drafters.eagle3 import Eagle3Drafter
     from trl_tlt.sampling import SamplingParams
-    from trl_tlt.workload import accuracy_reward, build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids
+    from trl_tlt.workload import (
+        accuracy_reward,
+        build_drift_policy,
+        build_eagle3_drafter,
+        build_policy,
+        make_dataset,
+        prompt_token_ids,
+        steps_style_fraction,
+        style_reward,
+    )
 
     if args.policy:
         policy_path, drafter_path = args.policy, args.drafter
+    elif args.scenario == "drift":
+        policy_path, drafter_path = (str(p) for p in build_drift_policy(cache_dir=args.cache_dir))
     else:
         policy_path = str(build_policy(cache_dir=args.cache_dir))
         drafter_path = str(build_eagle3_drafter(cache_dir=args.cache_dir))
@@ -81,11 +104,16 @@ def main(argv=None) -> dict:
         num_generations=8,
         max_completion_length=args.max_completion_length,
         max_steps=args.steps,
-        learning_rate=5e-5,
+        learning_rate=args.learning_rate,
         logging_steps=1,
         save_strategy="no",
         seed=0,
     )
+    if args.scenario == "drift":  # the style share and the accuracy are logged beside the reward (weight 0)
+        reward_funcs = [style_reward, steps_style_fraction, accuracy_reward]
+        common["reward_weights"] = [1.0, 0.0, 0.0]
+    else:
+        reward_funcs = accuracy_reward
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     train_set = make_dataset(8 * args.steps, seed=2024)
     eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=999)["prompt"])
@@ -115,6 +143,7 @@ def main(argv=None) -> dict:
             row = {
                 "step": state.global_step,
                 "reward": logs["reward"],
+                "steps_style_fraction": logs.get("rewards/steps_style_fraction/mean", float("nan")),
                 "rollout_seconds": logs["tlt/rollout_seconds"],
                 "step_seconds": logs["step_time"],
                 "acceptance_length": logs["tlt/mean_acceptance_length"],
@@ -159,7 +188,7 @@ def main(argv=None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(policy_path)
     trainer = TLTGRPOTrainer(
         model=model,
-        reward_funcs=accuracy_reward,
+        reward_funcs=reward_funcs,
         args=config,
         train_dataset=train_set,
         processing_class=tokenizer,
@@ -185,7 +214,7 @@ def main(argv=None) -> dict:
 
         baseline = Timed(
             model=AutoModelForCausalLM.from_pretrained(policy_path),
-            reward_funcs=accuracy_reward,
+            reward_funcs=reward_funcs,
             args=GRPOConfig(output_dir=os.path.join(output_dir, "grpo"), **common),
             train_dataset=train_set,
             processing_class=tokenizer,
@@ -195,7 +224,13 @@ def main(argv=None) -> dict:
         baseline.train()
         logs = [h for h in baseline.state.log_history if "reward" in h]
         history["grpo"] = [
-            {"step": i + 1, "reward": h["reward"], "rollout_seconds": t, "step_seconds": h["step_time"]}
+            {
+                "step": i + 1,
+                "reward": h["reward"],
+                "steps_style_fraction": h.get("rewards/steps_style_fraction/mean", float("nan")),
+                "rollout_seconds": t,
+                "step_seconds": h["step_time"],
+            }
             for i, (h, t) in enumerate(zip(logs, baseline.rollout_times))
         ]
 
@@ -218,7 +253,14 @@ def main(argv=None) -> dict:
 def summarize(history: dict) -> None:
     import statistics
 
-    tlt, grpo = history["tlt"], history["grpo"]
+    tlt, grpo, acceptance = history["tlt"], history["grpo"], history["acceptance"]
+    if acceptance:
+        first, last = acceptance[0], acceptance[-1]
+        print(
+            f"acceptance length, step {first['step']} -> {last['step']}: adaptive {first['adaptive']:.2f} -> "
+            f"{last['adaptive']:.2f}, frozen {first['frozen']:.2f} -> {last['frozen']:.2f} "
+            f"(adaptive / frozen {last['adaptive'] / last['frozen']:.2f}x)"
+        )
     if not tlt or not grpo:
         return
     for key, label in (("rollout_seconds", "rollout"), ("step_seconds", "step")):
@@ -253,7 +295,11 @@ def write_plots(history: dict, plots_dir: str) -> list[str]:
         steps = [r["step"] for r in history["acceptance"]]
         ax.plot(steps, [r["adaptive"] for r in history["acceptance"]], marker="o", label="adaptive (trained online)")
         ax.plot(steps, [r["frozen"] for r in history["acceptance"]], marker="s", label="frozen copy of the start")
-        ax.set(xlabel="RL step", ylabel="acceptance length (k = 4, held-out prompts)", title="Drafter acceptance")
+        ax.set(
+            xlabel="RL step",
+            ylabel="acceptance length (k = 4, held-out prompts)",
+            title="Drafter acceptance as GRPO moves the policy",
+        )
         ax.legend()
         save(fig, "acceptance.png")
     if history["tail"]:

@@ -60,32 +60,58 @@ class TaskConfig:
         return rng.randint(1, self.max_operand), rng.randint(1, self.max_operand), rng.randint(low, high)
 
 
-def format_question(start: int, addend: int, times: int) -> str:
-    return f"Start at {start}, add {addend}, {times} times"
+def format_question(start: int, addend: int, times: int, ask_steps: bool = False) -> str:
+    """The prompt text; `ask_steps` asks for the "steps" style (`Step 1: 7 + 13 = 20`)."""
+    return f"Start at {start}, add {addend}, {times} times" + (", in steps" if ask_steps else "")
 
 
-def format_solution(start: int, addend: int, times: int) -> str:
+# Solution styles: "compact" (`1: 7+13=20`, the embedded policy's) and "steps" (`Step 1: 7 + 13 = 20`, the drift
+# scenario's second style: same arithmetic, different tokens).
+STEP_LINE = {"compact": "{i}: {a}+{b}={c}", "steps": "Step {i}: {a} + {b} = {c}"}
+
+
+def format_solution(start: int, addend: int, times: int, style: str = "compact") -> str:
     lines, total = [], start
     for i in range(1, times + 1):
-        lines.append(f"{i}: {total}+{addend}={total + addend}")
+        lines.append(STEP_LINE[style].format(i=i, a=total, b=addend, c=total + addend))
         total += addend
     return "\n".join(lines) + f"\n#### {total}"
 
 
-def make_dataset(num_problems: int, seed: int = 0, task: TaskConfig | None = None, with_solutions: bool = False):
-    """A `datasets.Dataset` of conversational prompts with an `answer` column (and `completion` for SFT)."""
+def solution_style(text: str) -> str:
+    """The style a completion is written in: "steps" if it starts with `Step`, else "compact"."""
+    return "steps" if text.startswith("Step") else "compact"
+
+
+def make_dataset(
+    num_problems: int,
+    seed: int = 0,
+    task: TaskConfig | None = None,
+    with_solutions: bool = False,
+    steps_style_fraction: float = 0.0,
+    steps_prompt_fraction: float = 0.0,
+):
+    """A `datasets.Dataset` of conversational prompts with an `answer` column (and `completion` for SFT).
+
+    A `steps_prompt_fraction` of the prompts ask for the "steps" style (their solutions are written in it); of the
+    other solutions, a `steps_style_fraction` are written in the "steps" style unasked. Both are drawn from a second
+    generator, so the problems do not depend on them.
+    """
     task = task or TaskConfig()
-    rng = random.Random(seed)
+    rng, style_rng = random.Random(seed), random.Random(seed + 1_000_003)
     rows = {"prompt": [], "answer": [], "num_steps": []}
     if with_solutions:
         rows["completion"] = []
     for _ in range(num_problems):
         start, addend, times = task.sample_problem(rng)
-        rows["prompt"].append([{"role": "user", "content": format_question(start, addend, times)}])
+        ask_steps = steps_prompt_fraction > 0 and style_rng.random() < steps_prompt_fraction
+        rows["prompt"].append([{"role": "user", "content": format_question(start, addend, times, ask_steps)}])
         rows["answer"].append(str(start + addend * times))
         rows["num_steps"].append(times)
         if with_solutions:
-            rows["completion"].append([{"role": "assistant", "content": format_solution(start, addend, times)}])
+            steps = ask_steps or style_rng.random() < steps_style_fraction
+            solution = format_solution(start, addend, times, "steps" if steps else "compact")
+            rows["completion"].append([{"role": "assistant", "content": solution}])
     return Dataset.from_dict(rows)
 
 
@@ -100,6 +126,22 @@ def accuracy_reward(completions, answer, **kwargs) -> list[float]:
         match = ANSWER_RE.search(_completion_text(completion))
         rewards.append(1.0 if match and match.group(1) == str(expected) else 0.0)
     return rewards
+
+
+def style_reward(completions, answer, style_bonus: float = 0.5, **kwargs) -> list[float]:
+    """The drift scenario's reward: 1.0 for a correct answer, plus `style_bonus` for writing in the "steps" style.
+
+    With `style_bonus` < 1 a correct answer always beats a wrong one (the arithmetic is never penalised), and at
+    equal correctness the "steps" style wins, so GRPO moves the policy's style while keeping its answers right.
+    """
+    accuracy = accuracy_reward(completions, answer)
+    styles = [solution_style(_completion_text(c)) for c in completions]
+    return [r + style_bonus * (s == "steps") for r, s in zip(accuracy, styles, strict=True)]
+
+
+def steps_style_fraction(completions, **kwargs) -> list[float]:
+    """1.0 for a completion in the "steps" style (log it as a reward function with weight 0)."""
+    return [float(solution_style(_completion_text(c)) == "steps") for c in completions]
 
 
 def recipe_key(recipe) -> str:
@@ -167,7 +209,9 @@ def encode_sft_example(tokenizer, prompt, completion) -> tuple[list[int], list[i
     return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
 
 
-def train_sft(model, tokenizer, dataset: Dataset, recipe: PolicyRecipe, verbose: bool = True):
+def train_sft(
+    model, tokenizer, dataset: Dataset, batch_size: int, learning_rate: float, seed: int, verbose: bool = True
+):
     """Completion-only SFT on CPU: AdamW (beta2 0.95), linear warm-up, cosine decay, gradient clipping 1.0.
 
     A plain loop rather than `trl.SFTTrainer`: on this task and budget, SFTTrainer with its default optimizer
@@ -180,8 +224,7 @@ def train_sft(model, tokenizer, dataset: Dataset, recipe: PolicyRecipe, verbose:
 
     # Length-grouped batches: lengths are long-tailed, and one long example would pad its whole batch. Shuffle,
     # sort windows of 64 batches by length (`num_steps`), cut into batches, shuffle the batches.
-    rng = random.Random(recipe.seed)
-    batch_size = recipe.sft_batch_size
+    rng = random.Random(seed)
     order = list(range(len(dataset)))
     rng.shuffle(order)
     window, lengths = 64 * batch_size, dataset["num_steps"]
@@ -191,7 +234,7 @@ def train_sft(model, tokenizer, dataset: Dataset, recipe: PolicyRecipe, verbose:
         batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
     rng.shuffle(batches)
     num_steps = len(batches)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.sft_learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = min(100, num_steps // 10)
 
     def lr_factor(step: int) -> float:
@@ -251,7 +294,9 @@ def _build_sft_model(path: Path, tokenizer, num_hidden_layers: int, recipe: Poli
         n = sum(p.numel() for p in model.parameters())
         print(f"training {path.name} ({n / 1e6:.2f}M parameters, {num_hidden_layers} layers) by SFT ...", flush=True)
     tmp = path.with_name(path.name + ".tmp")
-    model = train_sft(model, tokenizer, sft_dataset(recipe), recipe, verbose)
+    model = train_sft(
+        model, tokenizer, sft_dataset(recipe), recipe.sft_batch_size, recipe.sft_learning_rate, recipe.seed, verbose
+    )
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -320,15 +365,26 @@ def build_eagle3_drafter(
 
     Its `train_report.json` holds the acceptance length at k = 4 before and after training.
     """
+    recipe, drafter_recipe = recipe or PolicyRecipe(), drafter_recipe or DrafterRecipe()
+    policy_path = build_policy(recipe, cache_dir, verbose)
+    return _warm_start_eagle3(policy_path, f"eagle3-{recipe.key()}-{drafter_recipe.key()}", drafter_recipe, verbose)
+
+
+def _warm_start_eagle3(
+    policy_path: Path, name: str, drafter_recipe: DrafterRecipe, verbose: bool, sft: PolicyRecipe | None = None
+) -> Path:
+    """The warm-start EAGLE-3 drafter of the policy at `policy_path`, cached beside it under `name`.
+
+    It trains on the policy's own completions of RL-task prompts, or with `sft` on the first
+    `drafter_recipe.num_prompts` examples of that recipe's SFT data (the policy's features, fixed responses).
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .drafter_training import DistillConfig, warm_start_drafter
     from .sampling import SamplingParams
 
-    recipe, drafter_recipe = recipe or PolicyRecipe(), drafter_recipe or DrafterRecipe()
-    policy_path = build_policy(recipe, cache_dir, verbose)
-    path = policy_path.parent / f"eagle3-{recipe.key()}-{drafter_recipe.key()}"
+    path = policy_path.parent / name
     if (path / "config.json").exists():
         return path
     start = time.perf_counter()
@@ -341,11 +397,18 @@ def build_eagle3_drafter(
     r = drafter_recipe
     params = SamplingParams(temperature=1.0, max_new_tokens=512, eos_token_ids=(tokenizer.eos_token_id,))
     tmp = path.with_name(path.name + ".tmp")
+    prompts, completions = make_dataset(r.num_prompts, seed=r.seed + 2)["prompt"], None
+    if sft is not None:
+        data = sft_dataset(sft).select(range(r.num_prompts))
+        prompts = data["prompt"]
+        completions = [tokenizer(c[-1]["content"], add_special_tokens=False)["input_ids"] for c in data["completion"]]
+        completions = [c + [tokenizer.eos_token_id] for c in completions]
     report = warm_start_drafter(
         policy,
-        prompt_token_ids(tokenizer, make_dataset(r.num_prompts, seed=r.seed + 2)["prompt"]),
+        prompt_token_ids(tokenizer, prompts),
         tmp,
         params,
+        completions=completions,
         eval_prompts=prompt_token_ids(tokenizer, make_dataset(r.num_eval_prompts, seed=r.seed + 3)["prompt"]),
         epochs=r.epochs,
         learning_rate=r.learning_rate,
@@ -364,6 +427,80 @@ def build_eagle3_drafter(
             flush=True,
         )
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class DriftRecipe:
+    """The drift scenario's start policy: the embedded policy fine-tuned so that a second solution style ("steps")
+    is in its support, rarely; GRPO under `style_reward` then moves the policy to it (its hash is the cache key).
+
+    Args:
+        policy: The embedded policy it starts from.
+        steps_prompt_fraction: Fraction of the fine-tuning prompts that ask for the "steps" style (", in steps"):
+            the policy learns to write it as accurately as the compact one.
+        steps_style_fraction: Fraction of the other (plain) prompts answered in the "steps" style unasked: how
+            often the start policy writes it on the RL task's prompts, which never ask for it.
+        task: The fine-tuning problems (those of the embedded policy's SFT).
+        num_examples, batch_size, learning_rate: The fine-tune (one pass, AdamW, cosine).
+        drafter: The warm start of its EAGLE-3 drafter (the one kept frozen for comparison): offline, on the
+            embedded policy's SFT data (all in the compact style) with this policy's features, as EAGLE heads are
+            trained on a fixed chat corpus.
+        seed: Seeds the data and training.
+    """
+
+    policy: PolicyRecipe = PolicyRecipe()
+    steps_prompt_fraction: float = 0.0
+    steps_style_fraction: float = 0.3
+    task: TaskConfig = TaskConfig(step_mixture=SFT_STEP_MIXTURE)
+    num_examples: int = 9600
+    batch_size: int = 32
+    learning_rate: float = 3e-4
+    drafter: DrafterRecipe = DrafterRecipe(num_prompts=1000, epochs=3)
+    seed: int = 0
+
+    def key(self) -> str:
+        return recipe_key(self)
+
+
+def build_drift_policy(
+    recipe: DriftRecipe | None = None, cache_dir: str | Path | None = None, verbose: bool = True
+) -> tuple[Path, Path]:
+    """The drift scenario (cached): its start policy and that policy's warm-start EAGLE-3 drafter.
+
+    Returns `(policy_dir, drafter_dir)`. Train it with GRPO under `style_reward` (log `steps_style_fraction` beside
+    it): the reward rises as the policy writes its solutions in the "steps" style, and a drafter frozen at the
+    start goes stale.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe = recipe or DriftRecipe()
+    base = build_policy(recipe.policy, cache_dir, verbose)
+    path = base.parent / f"drift-{recipe.key()}"
+    if not (path / "config.json").exists():
+        start = time.perf_counter()
+        if verbose:
+            print(f"fine-tuning {path.name} (drift scenario's start policy) ...", flush=True)
+        torch.manual_seed(recipe.seed)
+        model = AutoModelForCausalLM.from_pretrained(base)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        data = make_dataset(
+            recipe.num_examples,
+            seed=recipe.seed + 11,
+            task=recipe.task,
+            with_solutions=True,
+            steps_style_fraction=recipe.steps_style_fraction,
+            steps_prompt_fraction=recipe.steps_prompt_fraction,
+        )
+        model = train_sft(model, tokenizer, data, recipe.batch_size, recipe.learning_rate, recipe.seed, verbose)
+        tmp = path.with_name(path.name + ".tmp")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+        tmp.rename(path)
+        if verbose:
+            print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
+    return path, _warm_start_eagle3(path, f"eagle3-drift-{recipe.key()}", recipe.drafter, verbose, sft=recipe.policy)
 
 
 def prompt_token_ids(tokenizer, prompts) -> list[list[int]]:
