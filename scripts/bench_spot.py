@@ -280,6 +280,18 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
     }
 
 
+def run_settings(args) -> dict:
+    """The settings of an adapt or drift run, as recorded in its JSON."""
+    return {
+        "steps": args.steps,
+        "batch": f"{args.prompts_per_rank} prompts x {args.num_generations} generations",
+        "learning_rate": args.learning_rate,
+        "spot_steps_per_rollout": args.spot_steps,
+        "spot_learning_rate": args.spot_lr,
+        "eval_prompts": args.eval_prompts,
+    }
+
+
 def run_drift(args) -> dict:
     """The drift scenario over `--seeds`: adaptive vs frozen acceptance as GRPO moves the policy's style."""
     runs = [run_adapt(args, seed, drift=True) for seed in args.seeds]
@@ -297,12 +309,7 @@ def run_drift(args) -> dict:
         "start_drafter": runs[0]["start_drafter"],
         "reward": "style_reward (1.0 for a correct answer + 0.5 for the steps style)",
         "seeds": args.seeds,
-        "steps": args.steps,
-        "batch": f"{args.prompts_per_rank} prompts x {args.num_generations} generations",
-        "learning_rate": args.learning_rate,
-        "spot_steps_per_rollout": args.spot_steps,
-        "spot_learning_rate": args.spot_lr,
-        "eval_prompts": args.eval_prompts,
+        **run_settings(args),
         "training_minutes_per_seed": [sum(r["step_time"]) / 60 for r in runs],
         "adaptive_over_frozen_final": statistics.mean(r["final_ratio_adaptive_over_frozen"] for r in runs),
         "frozen_change": [change(r, "frozen") for r in runs],
@@ -384,12 +391,7 @@ def main() -> None:
         result = {
             "benchmark": "spot_adapt",
             "machine": f"{machine()} per process",
-            "steps": args.steps,
-            "batch": f"{args.prompts_per_rank} prompts x {args.num_generations} generations",
-            "learning_rate": args.learning_rate,
-            "spot_steps_per_rollout": args.spot_steps,
-            "spot_learning_rate": args.spot_lr,
-            "eval_prompts": args.eval_prompts,
+            **run_settings(args),
             **run,
         }
         if args.plot:
