@@ -53,10 +53,9 @@ from trl_tlt.workload import (  # noqa: E402
     build_drift_policy,
     build_eagle3_drafter,
     build_policy,
+    drift_rewards,
     make_dataset,
     prompt_token_ids,
-    steps_style_fraction,
-    style_reward,
 )
 
 
@@ -199,9 +198,7 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
     )
     if drift:
         policy_path, drafter_path = (str(p) for p in build_drift_policy(verbose=False))
-        overrides.update(
-            reward_funcs=[style_reward, steps_style_fraction, accuracy_reward], reward_weights=[1.0, 0.0, 0.0]
-        )
+        overrides.update(drift_rewards())
     else:
         policy_path = str(build_policy(verbose=False))
         drafter_path = None if args.start == "new" else str(build_eagle3_drafter(verbose=False))
@@ -322,6 +319,8 @@ def run_drift(args) -> dict:
         "reward_seed_spread": max(finals) - min(finals),
         "steps_style_fraction_first": statistics.mean(statistics.mean(r["steps_style_fraction"][:10]) for r in runs),
         "steps_style_fraction_last": statistics.mean(statistics.mean(r["steps_style_fraction"][-10:]) for r in runs),
+        "accuracy_first": statistics.mean(statistics.mean(r["accuracy"][:10]) for r in runs),
+        "accuracy_last": statistics.mean(statistics.mean(r["accuracy"][-10:]) for r in runs),
         "spot_share_of_step_time": spot / total,
         "runs": runs,
     }

@@ -5,10 +5,12 @@ import dataclasses
 import numpy as np
 
 from trl_tlt.workload import (
+    DrafterRecipe,
     DriftRecipe,
     PolicyRecipe,
     TaskConfig,
     accuracy_reward,
+    drift_rewards,
     evaluate_policy,
     format_solution,
     make_dataset,
@@ -30,13 +32,16 @@ def test_solution_format_and_answer():
 
 def test_the_drift_scenarios_second_style_and_its_reward():
     steps = format_solution(7, 13, 2, style="steps")
-    assert steps == "Step 1: 7 + 13 = 20\nStep 2: 20 + 13 = 33\n#### 33"
+    # Same arithmetic tokens as the compact style; only the line prefix differs.
+    assert steps == "Step 1: 7+13=20\nStep 2: 20+13=33\n#### 33"
     assert solution_style(steps) == "steps" and solution_style(format_solution(7, 13, 2)) == "compact"
     wrong_steps = steps.replace("#### 33", "#### 34")
     completions = [steps, format_solution(7, 13, 2), wrong_steps, "#### 1", [{"role": "assistant", "content": steps}]]
     # A correct answer always beats a wrong one; at equal correctness the steps style wins.
     assert style_reward(completions, ["33"] * 5) == [1.5, 1.0, 0.5, 0.0, 1.5]
     assert steps_style_fraction(completions) == [1.0, 0.0, 1.0, 0.0, 1.0]
+    rewards = drift_rewards()  # trains on style_reward only; the others are logged beside it
+    assert rewards["reward_funcs"][0] is style_reward and rewards["reward_weights"] == [1.0, 0.0, 0.0]
 
 
 def test_a_style_mix_changes_the_solutions_not_the_problems():
@@ -55,6 +60,8 @@ def test_a_style_mix_changes_the_solutions_not_the_problems():
         )
     assert plain["answer"] == asked["answer"]
     assert DriftRecipe().key() != DriftRecipe(steps_style_fraction=0.5).key()
+    # The head's recipe keys the head, not the start policy: changing it does not retrain the policy.
+    assert DriftRecipe().key() == DriftRecipe(drafter=DrafterRecipe(epochs=1)).key()
 
 
 def test_dataset_is_deterministic_and_answers_are_right():
@@ -127,14 +134,17 @@ def test_build_policy_is_deterministic_for_a_seed(tmp_path):
 
 
 def test_build_drift_policy_caches_the_start_policy_and_its_drafter(tmp_path):
-    from trl_tlt.workload import DrafterRecipe, build_drift_policy
+    from trl_tlt.workload import build_drift_policy
 
     base = dataclasses.replace(TINY_RECIPE, num_hidden_layers=3)  # an exportable EAGLE-3 head needs 3 layers
     recipe = DriftRecipe(
         policy=base, num_examples=64, drafter=DrafterRecipe(num_prompts=4, num_eval_prompts=2, epochs=1)
     )
     policy, drafter = build_drift_policy(recipe, cache_dir=tmp_path, verbose=False)
-    assert policy.name == f"drift-{recipe.key()}" and drafter.name == f"eagle3-drift-{recipe.key()}"
+    assert (
+        policy.name == f"drift-{recipe.key()}"
+        and drafter.name == f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"
+    )
     assert (policy / "config.json").exists() and (drafter / "config.json").exists()
     assert (tmp_path / f"policy-{base.key()}").exists()  # fine-tuned from the embedded policy's recipe
     assert not list(tmp_path.glob("*.tmp"))

@@ -2,7 +2,7 @@
 
 Builds (or reuses from the cache) the drift scenario of `trl_tlt.workload` (`build_drift_policy`: the embedded SFT
 policy fine-tuned so that a second solution style is in its support, and its warm-start EAGLE-3 drafter); GRPO under
-`style_reward` (1 for a correct answer, +0.5 for the "Step 1: 7 + 13 = 20" style) moves the policy to that style
+`style_reward` (1 for a correct answer, +0.5 for the "Step 1: 7+13=20" style) moves the policy to that style
 while the reward rises, so a drafter frozen at the start goes stale. Then:
 
 1. runs GRPO with `TLTGRPOTrainer` (EAGLE-3 drafter trained online between rollouts, bandit selector), printing a
@@ -78,10 +78,9 @@ def main(argv=None) -> dict:
         build_drift_policy,
         build_eagle3_drafter,
         build_policy,
+        drift_rewards,
         make_dataset,
         prompt_token_ids,
-        steps_style_fraction,
-        style_reward,
     )
 
     if args.policy:
@@ -110,8 +109,8 @@ def main(argv=None) -> dict:
         seed=0,
     )
     if args.scenario == "drift":  # the style share and the accuracy are logged beside the reward (weight 0)
-        reward_funcs = [style_reward, steps_style_fraction, accuracy_reward]
-        common["reward_weights"] = [1.0, 0.0, 0.0]
+        rewards = drift_rewards()
+        reward_funcs, common["reward_weights"] = rewards["reward_funcs"], rewards["reward_weights"]
     else:
         reward_funcs = accuracy_reward
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")

@@ -61,13 +61,13 @@ class TaskConfig:
 
 
 def format_question(start: int, addend: int, times: int, ask_steps: bool = False) -> str:
-    """The prompt text; `ask_steps` asks for the "steps" style (`Step 1: 7 + 13 = 20`)."""
+    """The prompt text; `ask_steps` asks for the "steps" style (`Step 1: 7+13=20`)."""
     return f"Start at {start}, add {addend}, {times} times" + (", in steps" if ask_steps else "")
 
 
-# Solution styles: "compact" (`1: 7+13=20`, the embedded policy's) and "steps" (`Step 1: 7 + 13 = 20`, the drift
+# Solution styles: "compact" (`1: 7+13=20`, the embedded policy's) and "steps" (`Step 1: 7+13=20`, the drift
 # scenario's second style: same arithmetic, different tokens).
-STEP_LINE = {"compact": "{i}: {a}+{b}={c}", "steps": "Step {i}: {a} + {b} = {c}"}
+STEP_LINE = {"compact": "{i}: {a}+{b}={c}", "steps": "Step {i}: {a}+{b}={c}"}
 
 
 def format_solution(start: int, addend: int, times: int, style: str = "compact") -> str:
@@ -142,6 +142,13 @@ def style_reward(completions, answer, style_bonus: float = 0.5, **kwargs) -> lis
 def steps_style_fraction(completions, **kwargs) -> list[float]:
     """1.0 for a completion in the "steps" style (log it as a reward function with weight 0)."""
     return [float(solution_style(_completion_text(c)) == "steps") for c in completions]
+
+
+def drift_rewards() -> dict:
+    """The drift scenario's `GRPOConfig`/`GRPOTrainer` reward settings: trains on `style_reward`; logs the steps-style
+    share and the accuracy beside it (weight 0). Use as `reward_funcs=r["reward_funcs"]`,
+    `reward_weights=r["reward_weights"]`."""
+    return {"reward_funcs": [style_reward, steps_style_fraction, accuracy_reward], "reward_weights": [1.0, 0.0, 0.0]}
 
 
 def recipe_key(recipe) -> str:
@@ -450,16 +457,17 @@ class DriftRecipe:
 
     policy: PolicyRecipe = PolicyRecipe()
     steps_prompt_fraction: float = 0.0
-    steps_style_fraction: float = 0.3
+    steps_style_fraction: float = 0.15
     task: TaskConfig = TaskConfig(step_mixture=SFT_STEP_MIXTURE)
     num_examples: int = 9600
     batch_size: int = 32
     learning_rate: float = 3e-4
-    drafter: DrafterRecipe = DrafterRecipe(num_prompts=1000, epochs=3)
+    drafter: DrafterRecipe = DrafterRecipe()
     seed: int = 0
 
     def key(self) -> str:
-        return recipe_key(self)
+        """The start policy's cache key: every field but `drafter` (the head is keyed by both)."""
+        return recipe_key(dataclasses.replace(self, drafter=None))
 
 
 def build_drift_policy(
@@ -496,11 +504,14 @@ def build_drift_policy(
         tmp = path.with_name(path.name + ".tmp")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+        (tmp / "recipe.json").write_text(
+            json.dumps(dataclasses.asdict(dataclasses.replace(recipe, drafter=None)), indent=2)
+        )
         tmp.rename(path)
         if verbose:
             print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
-    return path, _warm_start_eagle3(path, f"eagle3-drift-{recipe.key()}", recipe.drafter, verbose, sft=recipe.policy)
+    name = f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"
+    return path, _warm_start_eagle3(path, name, recipe.drafter, verbose, sft=recipe.policy)
 
 
 def prompt_token_ids(tokenizer, prompts) -> list[list[int]]:
