@@ -21,8 +21,8 @@ held-out rollout with each), the reward, the steps-style share, before/after sam
 `adaptive_over_frozen_final` (mean), the acceptance changes, the reward rise vs the seed spread, and the share of
 step time spent in spot training.
 
-    python scripts/bench_spot.py --mode drift --steps 150 --learning-rate 1e-4 --seeds 0 1 \
-        --output docs/benchmarks/drift_cpu.json --plot docs/spot_drift.png
+    python scripts/bench_spot.py --mode drift --seeds 0 1 --steps 80 --learning-rate 2e-5 --prompts-per-rank 8 \
+        --eval-every 10 --spot-lr 3e-4 --spot-steps 8 --output docs/benchmarks/drift_cpu.json --plot docs/spot_drift.png
 """
 
 from __future__ import annotations
