@@ -245,7 +245,7 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
                     share = logs.get("rewards/steps_style_fraction/mean")
                     style = f" steps-style share {share:.2f}" if share is not None else ""
                     accuracy = logs.get("rewards/accuracy_reward/mean")
-                    style += f" accuracy {accuracy:.2f}" if share is not None else ""
+                    style += f" accuracy {accuracy:.2f}" if accuracy is not None else ""
                     print(f"seed {seed} step {state.global_step}: reward {logs['reward']:.3f}{style}", flush=True)
 
             def on_step_end(self, a, state, control, **kwargs):

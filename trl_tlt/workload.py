@@ -404,8 +404,9 @@ def _warm_start_eagle3(
     r = drafter_recipe
     params = SamplingParams(temperature=1.0, max_new_tokens=512, eos_token_ids=(tokenizer.eos_token_id,))
     tmp = path.with_name(path.name + ".tmp")
-    prompts, completions = make_dataset(r.num_prompts, seed=r.seed + 2)["prompt"], None
-    if sft is not None:
+    if sft is None:  # the policy completes the prompts itself
+        prompts, completions = make_dataset(r.num_prompts, seed=r.seed + 2)["prompt"], None
+    else:
         data = sft_dataset(sft).select(range(r.num_prompts))
         prompts = data["prompt"]
         completions = [tokenizer(c[-1]["content"], add_special_tokens=False)["input_ids"] for c in data["completion"]]
@@ -443,8 +444,8 @@ class DriftRecipe:
 
     Args:
         policy: The embedded policy it starts from.
-        steps_prompt_fraction: Fraction of the fine-tuning prompts that ask for the "steps" style (", in steps"):
-            the policy learns to write it as accurately as the compact one.
+        steps_prompt_fraction: Fraction of the fine-tuning prompts that ask for the "steps" style (", in steps")
+            and are answered in it: more practice in that style without asking for it more often unasked.
         steps_style_fraction: Fraction of the other (plain) prompts answered in the "steps" style unasked: how
             often the start policy writes it on the RL task's prompts, which never ask for it.
         task: The fine-tuning problems (those of the embedded policy's SFT).
