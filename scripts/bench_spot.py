@@ -56,7 +56,12 @@ from trl_tlt.workload import (  # noqa: E402
     drift_rewards,
     make_dataset,
     prompt_token_ids,
+    steps_style_fraction,
 )
+
+
+# Drift runs: the start and end policies each answer these held-out prompts this many times.
+HELDOUT_PROMPTS, HELDOUT_SAMPLES = 64, 4
 
 
 class Recorder(TLTGRPOTrainer):
@@ -205,6 +210,8 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     eval_set = make_dataset(args.eval_prompts, seed=999)
     eval_prompts = prompt_token_ids(tokenizer, eval_set["prompt"])
+    heldout_set = make_dataset(HELDOUT_PROMPTS, seed=998)
+    heldout_prompts = prompt_token_ids(tokenizer, heldout_set["prompt"])
     params = SamplingParams(
         temperature=1.0, max_new_tokens=args.max_completion_length, eos_token_ids=(tokenizer.eos_token_id,)
     )
@@ -212,7 +219,7 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
         trainer = trainer_for(args, policy_path, drafter_path, tmp, seed, True, **overrides)
         adaptive: Eagle3Model = trainer.tlt_drafter.model
         frozen = adaptive.frozen_copy()
-        curve, samples = [], {}
+        curve, samples, results = [], {}, {}
 
         def evaluate(step):
             # Both drafters draft for the current policy on the same held-out prompts (same seed, k = 4): acceptance
@@ -239,6 +246,18 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
             trainer.model.train()
             samples[when] = tokenizer.batch_decode(out, skip_special_tokens=True)
 
+        def heldout(when):
+            # The policy's accuracy and steps-style share on the same held-out prompts at the start and the end
+            # (paired, so not subject to the batch-to-batch spread of the per-step reward logs).
+            engine = SpeculativeEngine(trainer.model.eval(), pad_token_id=tokenizer.pad_token_id)
+            prompts = [p for p in heldout_prompts for _ in range(HELDOUT_SAMPLES)]
+            out = engine.generate(prompts, params, generator=torch.Generator().manual_seed(seed)).completion_ids
+            trainer.model.train()
+            texts = tokenizer.batch_decode(out, skip_special_tokens=True)
+            answers = [a for a in heldout_set["answer"] for _ in range(HELDOUT_SAMPLES)]
+            results[f"heldout_accuracy_{when}"] = statistics.mean(accuracy_reward(texts, answers))
+            results[f"heldout_steps_style_fraction_{when}"] = statistics.mean(steps_style_fraction(texts))
+
         class Eval(TrainerCallback):
             def on_log(self, a, state, control, logs=None, **kwargs):
                 if logs and "reward" in logs:
@@ -255,8 +274,12 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
         trainer.add_callback(Eval())
         evaluate(0)
         sample("start")
+        if drift:
+            heldout("first")
         trainer.train()
         sample("end")
+        if drift:
+            heldout("last")
     logs = [h for h in trainer.state.log_history if "reward" in h]
     window = min(10, len(logs))
     return {
@@ -271,6 +294,7 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
         "steps_style_fraction": [h.get("rewards/steps_style_fraction/mean") for h in logs],
         "accuracy": [h.get("rewards/accuracy_reward/mean") for h in logs],
         "samples": samples,
+        **results,
         "drafter_loss": [h.get("tlt/drafter_loss") for h in logs],
         "spot_seconds": [h.get("tlt/spot_seconds") for h in logs],
         "step_time": [h["step_time"] for h in logs],
@@ -304,7 +328,7 @@ def run_drift(args) -> dict:
         "machine": f"{machine()}, one process",
         "policy": runs[0]["policy"],
         "start_drafter": runs[0]["start_drafter"],
-        "reward": "style_reward (1.0 for a correct answer + 0.5 for the steps style)",
+        "reward": "style_reward (1.0 for a correct answer, 1.5 if it is in the steps style)",
         "seeds": args.seeds,
         **run_settings(args),
         "training_minutes_per_seed": [sum(r["step_time"]) / 60 for r in runs],
@@ -321,6 +345,11 @@ def run_drift(args) -> dict:
         "steps_style_fraction_last": statistics.mean(statistics.mean(r["steps_style_fraction"][-10:]) for r in runs),
         "accuracy_first": statistics.mean(statistics.mean(r["accuracy"][:10]) for r in runs),
         "accuracy_last": statistics.mean(statistics.mean(r["accuracy"][-10:]) for r in runs),
+        **{
+            f"heldout_{key}_{when}": statistics.mean(r[f"heldout_{key}_{when}"] for r in runs)
+            for key in ("accuracy", "steps_style_fraction")
+            for when in ("first", "last")
+        },
         "spot_share_of_step_time": spot / total,
         "runs": runs,
     }

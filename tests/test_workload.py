@@ -37,8 +37,8 @@ def test_the_drift_scenarios_second_style_and_its_reward():
     assert solution_style(steps) == "steps" and solution_style(format_solution(7, 13, 2)) == "compact"
     wrong_steps = steps.replace("#### 33", "#### 34")
     completions = [steps, format_solution(7, 13, 2), wrong_steps, "#### 1", [{"role": "assistant", "content": steps}]]
-    # A correct answer always beats a wrong one; at equal correctness the steps style wins.
-    assert style_reward(completions, ["33"] * 5) == [1.5, 1.0, 0.5, 0.0, 1.5]
+    # The style counts only when the answer is right: a wrong answer earns nothing in either style.
+    assert style_reward(completions, ["33"] * 5) == [1.5, 1.0, 0.0, 0.0, 1.5]
     assert steps_style_fraction(completions) == [1.0, 0.0, 1.0, 0.0, 1.0]
     rewards = drift_rewards()  # trains on style_reward only; the others are logged beside it
     assert rewards["reward_funcs"][0] is style_reward and rewards["reward_weights"] == [1.0, 0.0, 0.0]

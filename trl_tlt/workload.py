@@ -129,14 +129,14 @@ def accuracy_reward(completions, answer, **kwargs) -> list[float]:
 
 
 def style_reward(completions, answer, style_bonus: float = 0.5, **kwargs) -> list[float]:
-    """The drift scenario's reward: 1.0 for a correct answer, plus `style_bonus` for writing in the "steps" style.
+    """The drift scenario's reward: 1.0 for a correct answer, times `1 + style_bonus` if it is in the "steps" style.
 
-    With `style_bonus` < 1 a correct answer always beats a wrong one (the arithmetic is never penalised), and at
-    equal correctness the "steps" style wins, so GRPO moves the policy's style while keeping its answers right.
+    A wrong answer earns nothing in either style, so GRPO is never paid for a style alone: where the steps style
+    is answered less accurately (long problems, on the drift start policy), the compact style keeps its reward.
     """
     accuracy = accuracy_reward(completions, answer)
     styles = [solution_style(_completion_text(c)) for c in completions]
-    return [r + style_bonus * (s == "steps") for r, s in zip(accuracy, styles, strict=True)]
+    return [r * (1 + style_bonus * (s == "steps")) for r, s in zip(accuracy, styles, strict=True)]
 
 
 def steps_style_fraction(completions, **kwargs) -> list[float]:
@@ -445,7 +445,8 @@ class DriftRecipe:
     Args:
         policy: The embedded policy it starts from.
         steps_prompt_fraction: Fraction of the fine-tuning prompts that ask for the "steps" style (", in steps")
-            and are answered in it: more practice in that style without asking for it more often unasked.
+            and are answered in it: practice in that style (so that GRPO's move to it costs little accuracy)
+            without the start policy writing it more often unasked.
         steps_style_fraction: Fraction of the other (plain) prompts answered in the "steps" style unasked: how
             often the start policy writes it on the RL task's prompts, which never ask for it.
         task: The fine-tuning problems (those of the embedded policy's SFT).
@@ -457,10 +458,10 @@ class DriftRecipe:
     """
 
     policy: PolicyRecipe = PolicyRecipe()
-    steps_prompt_fraction: float = 0.0
+    steps_prompt_fraction: float = 0.5
     steps_style_fraction: float = 0.15
     task: TaskConfig = TaskConfig(step_mixture=SFT_STEP_MIXTURE)
-    num_examples: int = 9600
+    num_examples: int = 19200
     batch_size: int = 32
     learning_rate: float = 3e-4
     drafter: DrafterRecipe = DrafterRecipe()
