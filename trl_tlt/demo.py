@@ -2,7 +2,7 @@
 
 Builds (or reuses from the cache) the drift scenario of `trl_tlt.workload` (`build_drift_policy`: the embedded SFT
 policy fine-tuned so that a second solution style is in its support, and its warm-start EAGLE-3 drafter); GRPO under
-`style_reward` (1 for a correct answer, +0.5 for the "Step 1: 7+13=20" style) moves the policy to that style
+`style_reward` (1 for a correct answer, times 1.5 in the "Step 1: 7+13=20" style) moves the policy to that style
 while the reward rises, so a drafter frozen at the start goes stale. Then:
 
 1. runs GRPO with `TLTGRPOTrainer` (EAGLE-3 drafter trained online between rollouts, in the drift scenario at

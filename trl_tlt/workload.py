@@ -39,6 +39,9 @@ DEFAULT_STEP_MIXTURE = ((0.62, 1, 3), (0.28, 4, 8), (0.08, 9, 18), (0.02, 19, 30
 # SFT sees mostly short problems: the skills (copy the operands, add, count lines) are the same at every length,
 # and short examples give more optimizer steps per second of CPU.
 SFT_STEP_MIXTURE = ((0.85, 1, 4), (0.10, 5, 12), (0.05, 13, 30))
+# The drift scenario's fine-tune has three times the long problems: with the SFT mixture, the second style was
+# written far less accurately than the first on problems of 4 or more additions (0.11 vs 0.32).
+DRIFT_STEP_MIXTURE = ((0.60, 1, 4), (0.25, 5, 12), (0.15, 13, 30))
 
 
 @dataclass(frozen=True)
@@ -449,7 +452,8 @@ class DriftRecipe:
             without the start policy writing it more often unasked.
         steps_style_fraction: Fraction of the other (plain) prompts answered in the "steps" style unasked: how
             often the start policy writes it on the RL task's prompts, which never ask for it.
-        task: The fine-tuning problems (those of the embedded policy's SFT).
+        task: The fine-tuning problems (more long ones than the embedded policy's SFT, so that the steps style is
+            practised on them too).
         num_examples, batch_size, learning_rate: The fine-tune (one pass, AdamW, cosine).
         drafter: The warm start of its EAGLE-3 drafter (the one kept frozen for comparison): offline, on the
             embedded policy's SFT data (all in the compact style) with this policy's features, as EAGLE heads are
@@ -460,7 +464,7 @@ class DriftRecipe:
     policy: PolicyRecipe = PolicyRecipe()
     steps_prompt_fraction: float = 0.5
     steps_style_fraction: float = 0.15
-    task: TaskConfig = TaskConfig(step_mixture=SFT_STEP_MIXTURE)
+    task: TaskConfig = TaskConfig(step_mixture=DRIFT_STEP_MIXTURE)
     num_examples: int = 19200
     batch_size: int = 32
     learning_rate: float = 3e-4
