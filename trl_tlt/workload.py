@@ -134,8 +134,7 @@ def accuracy_reward(completions, answer, **kwargs) -> list[float]:
 def style_reward(completions, answer, style_bonus: float = 0.5, **kwargs) -> list[float]:
     """The drift scenario's reward: 1.0 for a correct answer, times `1 + style_bonus` if it is in the "steps" style.
 
-    A wrong answer earns nothing in either style, so GRPO is never paid for a style alone: where the steps style
-    is answered less accurately (long problems, on the drift start policy), the compact style keeps its reward.
+    A wrong answer earns nothing in either style: GRPO is paid for a style only with a right answer written in it.
     """
     accuracy = accuracy_reward(completions, answer)
     styles = [solution_style(_completion_text(c)) for c in completions]
