@@ -98,6 +98,10 @@ def test_evaluate_policy_plumbing(tokenizer):
     stats = evaluate_policy(model, tokenizer, make_dataset(3, seed=0), num_generations=2, max_new_tokens=8)
     assert stats["num_problems"] == 3 and len(stats["lengths"]) == 6
     assert 0.0 <= stats["accuracy"] <= 1.0 and stats["length_max"] <= 8
+    cells = stats["accuracy_by_style"]  # every sample in one (style, length) cell, weighted back to the accuracy
+    assert set(cells) <= {f"{style}, {size}" for style in ("compact", "steps") for size in ("short", "long")}
+    assert sum(n for _, n in cells.values()) == 6
+    assert abs(sum(a * n for a, n in cells.values()) / 6 - stats["accuracy"]) < 1e-9
 
 
 def test_build_policy_caches_under_the_recipe_key(tmp_path, capsys):

@@ -535,7 +535,11 @@ def evaluate_policy(
     seed: int = 0,
     prompts_per_batch: int = 8,
 ) -> dict:
-    """Sample `num_generations` completions per problem with the engine; accuracy and length statistics."""
+    """Sample `num_generations` completions per problem with the engine; accuracy and length statistics.
+
+    `accuracy_by_style` splits the accuracy by solution style and by problem length (short: 1-3 additions, long: 4
+    or more), each as `[accuracy, number of samples]`: the drift scenario needs its styles equally accurate.
+    """
     import numpy as np
     import torch
 
@@ -550,15 +554,19 @@ def evaluate_policy(
         eos_token_ids=(tokenizer.eos_token_id,),
     )
     generator = torch.Generator(device=model.device).manual_seed(seed)
-    lengths, rewards = [], []
+    lengths, rewards, cells = [], [], {}
     for begin in range(0, len(dataset), prompts_per_batch):
         batch = dataset[begin : begin + prompts_per_batch]
         ids = [p for p in prompt_token_ids(tokenizer, batch["prompt"]) for _ in range(num_generations)]
         out = engine.generate(ids, params, generator=generator)
         texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         answers = [a for a in batch["answer"] for _ in range(num_generations)]
-        rewards += accuracy_reward(texts, answers)
+        batch_rewards = accuracy_reward(texts, answers)
+        rewards += batch_rewards
         lengths += [len(c) for c in out.completion_ids]
+        steps = [n for n in batch["num_steps"] for _ in range(num_generations)]
+        for text, reward, n in zip(texts, batch_rewards, steps, strict=True):
+            cells.setdefault(f"{solution_style(text)}, {'short' if n <= 3 else 'long'}", []).append(reward)
     lengths_arr = np.array(lengths)
     median = float(np.median(lengths_arr))
     return {
@@ -566,6 +574,7 @@ def evaluate_policy(
         "num_generations": num_generations,
         "temperature": temperature,
         "accuracy": float(np.mean(rewards)),
+        "accuracy_by_style": {cell: [float(np.mean(r)), len(r)] for cell, r in sorted(cells.items())},
         "length_median": median,
         "length_p99": float(np.percentile(lengths_arr, 99)),
         "length_max": int(lengths_arr.max()),
@@ -603,18 +612,26 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description="Build (or load) the embedded policy and describe it.")
     parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--drift", action="store_true", help="The drift scenario's start policy instead.")
+    parser.add_argument(
+        "--steps-prompt-fraction",
+        type=float,
+        default=0.0,
+        help="Fraction of the prompts that ask for the steps style.",
+    )
     parser.add_argument("--num-problems", type=int, default=256)
     parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--plot", default=None, help="Write the length histogram to this PNG.")
     args = parser.parse_args()
-    path = build_policy(cache_dir=args.cache_dir)
+    path = build_drift_policy(cache_dir=args.cache_dir)[0] if args.drift else build_policy(cache_dir=args.cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    eval_set = make_dataset(args.num_problems, seed=12345)
+    eval_set = make_dataset(args.num_problems, seed=12345, steps_prompt_fraction=args.steps_prompt_fraction)
     stats = evaluate_policy(model, tokenizer, eval_set, num_generations=args.num_generations)
     print(json.dumps({k: v for k, v in stats.items() if k != "lengths"}, indent=2))
     if args.plot:
-        title = f"Embedded policy: completion lengths ({args.num_problems} problems x {args.num_generations}, T=1)"
+        name = "Drift start policy" if args.drift else "Embedded policy"
+        title = f"{name}: completion lengths ({args.num_problems} problems x {args.num_generations}, T=1)"
         plot_lengths(stats["lengths"], args.plot, title)
 
 
