@@ -54,9 +54,9 @@ from trl_tlt.workload import (  # noqa: E402
     build_eagle3_drafter,
     build_policy,
     drift_rewards,
+    evaluate_policy,
     make_dataset,
     prompt_token_ids,
-    steps_style_fraction,
 )
 
 
@@ -211,7 +211,6 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
     eval_set = make_dataset(args.eval_prompts, seed=999)
     eval_prompts = prompt_token_ids(tokenizer, eval_set["prompt"])
     heldout_set = make_dataset(HELDOUT_PROMPTS, seed=998)
-    heldout_prompts = prompt_token_ids(tokenizer, heldout_set["prompt"])
     params = SamplingParams(
         temperature=1.0, max_new_tokens=args.max_completion_length, eos_token_ids=(tokenizer.eos_token_id,)
     )
@@ -248,15 +247,21 @@ def run_adapt(args, seed: int, drift: bool = False) -> dict:
 
         def heldout(when):
             # The policy's accuracy and steps-style share on the same held-out prompts at the start and the end
-            # (paired, so not subject to the batch-to-batch spread of the per-step reward logs).
-            engine = SpeculativeEngine(trainer.model.eval(), pad_token_id=tokenizer.pad_token_id)
-            prompts = [p for p in heldout_prompts for _ in range(HELDOUT_SAMPLES)]
-            out = engine.generate(prompts, params, generator=torch.Generator().manual_seed(seed)).completion_ids
+            # (paired, so not subject to the batch-to-batch spread of the per-step reward logs); one batch.
+            stats = evaluate_policy(
+                trainer.model.eval(),
+                tokenizer,
+                heldout_set,
+                num_generations=HELDOUT_SAMPLES,
+                max_new_tokens=args.max_completion_length,
+                seed=seed,
+                prompts_per_batch=HELDOUT_PROMPTS,
+            )
             trainer.model.train()
-            texts = tokenizer.batch_decode(out, skip_special_tokens=True)
-            answers = [a for a in heldout_set["answer"] for _ in range(HELDOUT_SAMPLES)]
-            results[f"heldout_accuracy_{when}"] = statistics.mean(accuracy_reward(texts, answers))
-            results[f"heldout_steps_style_fraction_{when}"] = statistics.mean(steps_style_fraction(texts))
+            cells = stats["accuracy_by_style"]
+            steps = sum(n for cell, (_, n) in cells.items() if cell.startswith("steps"))
+            results[f"heldout_accuracy_{when}"] = stats["accuracy"]
+            results[f"heldout_steps_style_fraction_{when}"] = steps / sum(n for _, n in cells.values())
 
         class Eval(TrainerCallback):
             def on_log(self, a, state, control, logs=None, **kwargs):
