@@ -27,6 +27,7 @@ from .drafters.base import DraftContext, Drafter
 from .kv_cache import RaggedKVModel
 from .sampling import SamplingParams, process_logits, upcast_logits
 from .speculative import verify_drafts
+from .tree import checked_tree, depths_from_ancestors, verify_tree
 
 
 logger = logging.get_logger(__name__)
@@ -81,8 +82,19 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-# A speculation arm: (drafter name, k); (None, 0) = no speculation.
-Arm = tuple[str | None, int]
+# A speculation arm: (drafter name, k) drafts a chain of k tokens, (drafter name, depth, topk, verify) a tree;
+# (None, 0) = no speculation.
+Arm = tuple
+
+
+def tree_arm(drafter: str | None, depth: int, topk: int, verify: int) -> Arm:
+    """A tree arm, checked: `verify` nodes of a tree `depth` deep whose expanded nodes have `topk` children."""
+    if depth < 1 or topk < 1 or verify < 1:
+        raise ValueError(f"A tree needs depth, topk and verify >= 1, got ({depth}, {topk}, {verify}).")
+    most = topk + (depth - 1) * topk * topk
+    if verify > most:
+        raise ValueError(f"A tree {depth} deep with topk={topk} drafts {most} nodes at most; got verify={verify}.")
+    return (drafter, depth, topk, verify)
 
 
 class SpeculationPolicy:
@@ -96,12 +108,20 @@ class SpeculationPolicy:
 
 
 class FixedSpeculation(SpeculationPolicy):
-    """The same drafter and k at every batch size (k = 0: no speculation)."""
+    """The same drafter and k at every batch size (k = 0: no speculation).
 
-    def __init__(self, k: int, drafter: str | None = None):
+    With `topk` and `verify` the drafter drafts a tree of depth k instead of a chain (`trl_tlt.tree`): it expands
+    the `topk` best children of its `topk` best nodes at every depth and the policy verifies the `verify` best nodes.
+    """
+
+    def __init__(self, k: int, drafter: str | None = None, topk: int | None = None, verify: int | None = None):
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}.")
         self.arm: Arm = (drafter, k) if k > 0 else (None, 0)
+        if (topk is None) != (verify is None):
+            raise ValueError("A tree needs both `topk` and `verify` (or neither, for a chain).")
+        if topk is not None and k > 0:
+            self.arm = tree_arm(drafter, k, topk, verify)
 
     def choose(self, batch_size: int) -> Arm:
         return self.arm
@@ -241,7 +261,7 @@ class SpeculativeEngine:
 
             step_start = time.perf_counter()
             arm = self.speculation.choose(active)
-            name, k = arm
+            name, k, *tree_shape = arm  # (name, k) drafts a chain, (name, depth, topk, verify) a tree
             if k > 0 and name not in started:
                 if name not in self.drafters:
                     raise ValueError(f"The speculation policy chose drafter {name!r}; known: {sorted(self.drafters)}.")
@@ -251,30 +271,48 @@ class SpeculativeEngine:
             rows_l = ctx.row_ids.tolist()
             remaining = torch.tensor([params.max_new_tokens - len(completions[r]) for r in rows_l], device=device)
             last = torch.tensor([sequences[r][-1] for r in rows_l], device=device)[:, None]
-            draft_probs = None
-            if k > 0:
+            draft_probs = tree = None
+            if k > 0 and tree_shape:
+                if not hasattr(started[name], "propose_tree"):
+                    raise ValueError(
+                        f"The speculation policy chose a tree arm {arm} but drafter {name!r} "
+                        f"({type(started[name]).__name__}) drafts chains only; use (name, k) arms for it."
+                    )
+                tree, ancestors, valid_rows = checked_tree(started[name].propose_tree(ctx, k, *tree_shape), vocab, k)
+                # Never draft past the budget: a path of depth d emits d + 1 tokens.
+                depths = depths_from_ancestors(ancestors)
+                tree.valid &= depths <= (remaining - 1)[:, None]
+                num_drafts = tree.valid.sum(dim=1)
+            elif k > 0:
                 draft = started[name].propose(ctx, k)
                 draft_ids, draft_probs, valid_rows = _checked_draft(draft, k, vocab)
-                stats.num_invalid_drafts += int((~valid_rows).sum())
                 # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
                 num_drafts = torch.where(valid_rows, torch.minimum(draft.num_tokens, remaining - 1), 0)
-                _sync(device)
-                stats.draft_s += time.perf_counter() - step_start
             else:
                 draft_ids = torch.zeros((active, 0), dtype=torch.long, device=device)
                 num_drafts = torch.zeros(active, dtype=torch.long, device=device)
+            if k > 0:
+                stats.num_invalid_drafts += int((~valid_rows).sum())
+                _sync(device)
+                stats.draft_s += time.perf_counter() - step_start
 
             verify_start = time.perf_counter()
-            valid = torch.arange(k + 1, device=device)[None, :] < (num_drafts + 1)[:, None]  # (B, k+1)
-            lengths_before = policy.lengths
-            logits = policy.extend(torch.cat([last, draft_ids], dim=1), valid)  # (B, k+1, V)
-            step_seen = None if seen is None else _seen_per_position(seen, draft_ids)
-            logp = process_logits(upcast_logits(logits), params, step_seen)
-            num_accepted, next_tokens, emitted_lp = verify_drafts(
-                logp, draft_ids, num_drafts, draft_probs, params.do_sample, generator
-            )
-            policy.truncate(lengths_before + 1 + num_accepted)
-            ctx.hidden_states = policy.hidden_states
+            if tree is not None:
+                draft_ids, num_accepted, next_tokens, emitted_lp = self._verify_tree(
+                    policy, tree, ancestors, depths, last, seen, params, generator
+                )
+                ctx.hidden_states = policy.hidden_states
+            else:
+                valid = torch.arange(k + 1, device=device)[None, :] < (num_drafts + 1)[:, None]  # (B, k+1)
+                lengths_before = policy.lengths
+                logits = policy.extend(torch.cat([last, draft_ids], dim=1), valid)  # (B, k+1, V)
+                step_seen = None if seen is None else _seen_per_position(seen, draft_ids)
+                logp = process_logits(upcast_logits(logits), params, step_seen)
+                num_accepted, next_tokens, emitted_lp = verify_drafts(
+                    logp, draft_ids, num_drafts, draft_probs, params.do_sample, generator
+                )
+                policy.truncate(lengths_before + 1 + num_accepted)
+                ctx.hidden_states = policy.hidden_states
             keep, emitted = self._emit(
                 ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params
             )
@@ -304,6 +342,34 @@ class SpeculativeEngine:
 
         stats.total_s = time.perf_counter() - start
         return GenerationOutput(completion_ids=completions, logprobs=logprobs, stats=stats)
+
+    @staticmethod
+    def _verify_tree(policy, tree, ancestors, depths, last, seen, params, generator):
+        """One policy forward over [root, nodes] with tree attention, the walk (`verify_tree`), and the cache and
+        hidden states reduced to the accepted path. Returns the path's tokens (B, D), num_accepted, the next tokens
+        and the emitted logprobs, as `verify_drafts` does for a chain."""
+        batch = last.size(0)
+        valid = torch.cat([torch.ones_like(last, dtype=torch.bool), tree.valid], dim=1)
+        max_depth = int(depths.masked_fill(~tree.valid, 0).max()) if tree.valid.numel() else 0
+        positions = policy.lengths[:, None] + torch.cat([torch.zeros_like(last), depths], dim=1)
+        tokens = torch.cat([last, tree.token_ids], dim=1)
+        logits = policy.extend_tree(tokens, valid, positions, ancestors)  # (B, N+1, V)
+        step_seen = None
+        if seen is not None:  # tokens seen before a node: the context and its path (root included)
+            one_hot = torch.zeros((*tokens.shape, seen.size(1)), device=seen.device).scatter_(2, tokens[..., None], 1.0)
+            step_seen = seen[:, None, :] | (ancestors.float() @ one_hot > 0)
+        logp = process_logits(upcast_logits(logits), params, step_seen)
+        path, num_accepted, next_tokens, emitted_lp = verify_tree(logp, tree, max_depth, params.do_sample, generator)
+        depth = path.size(1)
+        on_path = torch.arange(depth, device=path.device)[None] < num_accepted[:, None]
+        order = torch.cat([torch.zeros_like(last), torch.where(on_path, path, 0)], dim=1)  # (B, D+1) kept indices
+        keep = torch.zeros_like(valid).scatter_(1, order, True)
+        policy.keep_last(keep)
+        if policy.hidden_states is not None:  # the accepted path first, as after a chain step
+            policy.hidden_states = tuple(
+                h.gather(1, order[..., None].expand(batch, -1, h.size(-1))) for h in policy.hidden_states
+            )
+        return tokens.gather(1, order)[:, 1:], num_accepted, next_tokens, emitted_lp
 
     @staticmethod
     def _emit(ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params):

@@ -37,10 +37,17 @@ class RaggedKVModel:
         self.lengths: torch.Tensor | None = None  # (B,) valid tokens per row
         self.hidden_states: tuple[torch.Tensor, ...] | None = None
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int = 0, **model_kwargs):
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_to_keep: int = 0,
+        attention_mask: torch.Tensor | None = None,
+        **model_kwargs,
+    ):
         out = self.model(
             input_ids=input_ids,
-            attention_mask=self.attention_mask.long(),
+            attention_mask=self.attention_mask.long() if attention_mask is None else attention_mask,
             position_ids=position_ids,
             past_key_values=self.cache,
             use_cache=True,
@@ -88,6 +95,39 @@ class RaggedKVModel:
         self.attention_mask = torch.cat([self.attention_mask, valid], dim=1)
         self.lengths = self.lengths + valid.sum(dim=1)
         return self._forward(input_ids, position_ids, **model_kwargs)
+
+    @torch.no_grad()
+    def extend_tree(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, visible: torch.Tensor, **model_kwargs
+    ) -> torch.Tensor:
+        """Append n positions that attend by `visible` among the last m cache slots (tree attention).
+
+        Args:
+            input_ids: (B, n) tokens; `valid` (B, n) marks real ones (the others become holes).
+            position_ids: (B, n) their positions (a tree node's: its root's + its depth).
+            visible: (B, n, m), m >= n: which of the last m slots (the n new ones last) each new position sees; older
+                slots are seen as the 2-D mask says. Every position must see itself.
+
+        Returns logits (B, n, V). The new slots count as valid until `keep_last` says otherwise.
+        """
+        batch, n = input_ids.shape
+        m = visible.size(2)
+        self.attention_mask = torch.cat([self.attention_mask, valid], dim=1)
+        self.lengths = self.lengths + valid.sum(dim=1)
+        older = self.attention_mask[:, None, : self.attention_mask.size(1) - m].expand(batch, n, -1)
+        allowed = torch.cat([older, visible], dim=2)[:, None]  # (B, 1, n, T)
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+        return self._forward(input_ids, position_ids, attention_mask=mask, **model_kwargs)
+
+    def keep_last(self, keep: torch.Tensor) -> None:
+        """Of the last n = keep.size(1) slots, keep only those marked (the rest become holes)."""
+        n = keep.size(1)
+        self.attention_mask = torch.cat([self.attention_mask[:, :-n], self.attention_mask[:, -n:] & keep], dim=1)
+        self.lengths = self.attention_mask.sum(dim=1)
+        self._maybe_compact()
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Keep only the first `lengths[b]` valid tokens of each row (the rest become holes)."""

@@ -30,6 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from ..kv_cache import RaggedKVModel
+from ..tree import DraftTree, draft_tree
 from .base import Draft, DraftContext, Drafter
 from .model import sample_draft
 
@@ -247,7 +248,8 @@ class Eagle3Model(nn.Module):
         """Cached inference over n new positions (the `RaggedKVModel` contract).
 
         `hidden_states` (B, n, H): fused policy states or the drafter's own pre-norm outputs. `attention_mask`
-        (B, T) marks the valid cache positions, the new ones last. Returns policy-vocabulary `logits` and the
+        (B, T) marks the valid cache positions, the new ones last (causal among themselves), or is a prepared
+        additive mask (B, 1, n, T) (tree drafting). Returns policy-vocabulary `logits` and the
         pre-norm outputs as `hidden_states[0]`.
         """
         layer = self.midlayer
@@ -256,12 +258,16 @@ class Eagle3Model(nn.Module):
         q, k, v = layer.qkv(embeds, hidden_states, cos, sin)
         k, v = past_key_values.update(k, v, 0)
         n, total = q.size(2), k.size(2)
-        valid = attention_mask.bool()
-        query_index = torch.arange(total - n, total, device=q.device)
-        causal = torch.arange(total, device=q.device)[None, :] <= query_index[:, None]  # (n, T)
-        mask = causal[None] & valid[:, None, :]
-        mask = mask | (torch.arange(total, device=q.device)[None, :] == query_index[:, None])[None]  # never empty
-        out = F.scaled_dot_product_attention(q, layer.repeat_kv(k), layer.repeat_kv(v), attn_mask=mask[:, None])
+        if attention_mask.dim() == 4:  # a prepared additive mask (B, 1, n, T): tree drafting
+            mask = attention_mask.to(q.dtype)
+        else:
+            valid = attention_mask.bool()
+            query_index = torch.arange(total - n, total, device=q.device)
+            causal = torch.arange(total, device=q.device)[None, :] <= query_index[:, None]  # (n, T)
+            mask = causal[None] & valid[:, None, :]
+            mask = mask | (torch.arange(total, device=q.device)[None, :] == query_index[:, None])[None]  # never empty
+            mask = mask[:, None]
+        out = F.scaled_dot_product_attention(q, layer.repeat_kv(k), layer.repeat_kv(v), attn_mask=mask)
         prenorm = layer.finish(out, hidden_states)
         logits = self.to_policy_vocab(self.logits(prenorm))
         return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values, hidden_states=(prenorm,))
@@ -468,6 +474,27 @@ class Eagle3Drafter(Drafter):
                 prenorm = self.runner.hidden_states[0][:, 0]
         num_tokens = torch.full((len(token_ids[0]),), k, dtype=torch.long, device=token_ids[0].device)
         return Draft(token_ids=torch.stack(token_ids, dim=1), num_tokens=num_tokens, probs=torch.stack(probs, dim=1))
+
+    @torch.no_grad()
+    def propose_tree(self, ctx: DraftContext, depth: int, topk: int, verify: int) -> DraftTree:
+        """A draft tree (`trl_tlt.tree.draft_tree`): each expanded node is fed with its parent's pre-norm output."""
+        if self._pending.size(1):
+            logits, prenorm = self._flush(ctx)
+        else:
+            logits, prenorm = self._last
+        self._committed = self.runner.lengths.clone()
+        slots = prenorm[:, None]  # (B, 1 + m, H): the root's pre-norm output, then those of the m draft slots fed
+
+        def step(tokens, parent_slots, visible, d):
+            nonlocal slots
+            hidden = slots.gather(1, (parent_slots + 1)[..., None].expand(-1, -1, slots.size(-1)))
+            positions = (self._committed + d - 1)[:, None].expand_as(tokens)
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+            out = self.runner.extend_tree(tokens, valid, positions, visible, hidden_states=hidden)
+            slots = torch.cat([slots, self.runner.hidden_states[0]], dim=1)
+            return out
+
+        return draft_tree(logits, step, ctx.params, depth, topk, verify)
 
     def _flush(self, ctx: DraftContext):
         """Feed the pending (token t+1, hidden t) pairs; returns the last position's logits and pre-norm output."""

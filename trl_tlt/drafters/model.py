@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from ..kv_cache import RaggedKVModel
 from ..sampling import SamplingParams, process_logits, upcast_logits
+from ..tree import DraftTree, draft_tree
 from .base import Draft, DraftContext, Drafter
 
 
@@ -67,9 +68,37 @@ class ModelDrafter(Drafter):
         prompts = [ctx.sequences[r][:-1] for r in ctx.row_ids.tolist()]
         self.runner.prefill(prompts, pad_token_id=0)
         self._step_start = None
+        self._tree = False
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
+        last = self._catch_up(ctx)
+        token_ids, probs = [], []
+        for j in range(k):
+            tokens, q = sample_draft(self._to_policy_vocab(last), ctx.params, ctx.generator)
+            token_ids.append(tokens)
+            probs.append(q)
+            if j < k - 1:
+                last = self.runner.extend(tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.bool))[:, 0]
+        token_ids = torch.stack(token_ids, dim=1)  # (B, k)
+        num_tokens = torch.full((token_ids.size(0),), k, dtype=torch.long, device=token_ids.device)
+        return Draft(token_ids=token_ids, num_tokens=num_tokens, probs=torch.stack(probs, dim=1))
+
+    @torch.no_grad()
+    def propose_tree(self, ctx: DraftContext, depth: int, topk: int, verify: int) -> DraftTree:
+        """A draft tree (`trl_tlt.tree.draft_tree`); its drafted positions are dropped again at `accept`."""
+        root_logits = self._to_policy_vocab(self._catch_up(ctx))
+        self._tree = True
+
+        def step(tokens, parent_slots, visible, d):
+            positions = (self._step_start + d - 1)[:, None].expand_as(tokens)
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+            return self._to_policy_vocab(self.runner.extend_tree(tokens, valid, positions, visible))
+
+        return draft_tree(root_logits, step, ctx.params, depth, topk, verify)
+
+    def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
+        """Feed the policy's tokens not yet in the cache; returns the logits after the newest one (B, V_d)."""
         rows = ctx.row_ids.tolist()
         device = self.runner.device
         lengths = self.runner.lengths.tolist()
@@ -83,25 +112,17 @@ class ModelDrafter(Drafter):
         input_ids, valid = input_ids.to(device), valid.to(device)
         logits = self.runner.extend(input_ids, valid)  # (B, width, V_d)
         self._step_start = self.runner.lengths.clone()  # the policy's tokens so far, newest included
-        last = logits.gather(1, (valid.sum(1) - 1)[:, None, None].expand(-1, 1, logits.size(-1))).squeeze(1)
-
-        token_ids, probs = [], []
-        for j in range(k):
-            tokens, q = sample_draft(self._to_policy_vocab(last), ctx.params, ctx.generator)
-            token_ids.append(tokens)
-            probs.append(q)
-            if j < k - 1:
-                last = self.runner.extend(tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.bool))[:, 0]
-        token_ids = torch.stack(token_ids, dim=1)  # (B, k)
-        num_tokens = torch.full((len(rows),), k, dtype=torch.long, device=device)
-        return Draft(token_ids=token_ids, num_tokens=num_tokens, probs=torch.stack(probs, dim=1))
+        return logits.gather(1, (valid.sum(1) - 1)[:, None, None].expand(-1, 1, logits.size(-1))).squeeze(1)
 
     def accept(self, ctx: DraftContext, num_accepted_tokens: torch.Tensor) -> None:
-        # Cached: the policy's tokens plus the first k-1 drafts; keep those drafts that were accepted.
+        # Cached: the policy's tokens plus the first k-1 drafts; keep those drafts that were accepted (a chain's),
+        # none of a tree's (its accepted path is fed again with the policy's tokens at the next step).
         if self._step_start is not None:
             k_fed = self.runner.lengths - self._step_start
-            self.runner.truncate(self._step_start + torch.minimum(num_accepted_tokens.to(k_fed.device), k_fed))
+            kept = torch.zeros_like(k_fed) if self._tree else torch.minimum(num_accepted_tokens.to(k_fed.device), k_fed)
+            self.runner.truncate(self._step_start + kept)
             self._step_start = None
+            self._tree = False
 
     def select(self, rows: torch.Tensor) -> None:
         self.runner.select(rows.to(self.runner.device))

@@ -1,0 +1,158 @@
+"""Tree speculation is lossless: greedy token identity with `generate` (float64) and a chi-square test of sampled
+completions (with a negative control) for each drafter that drafts trees, at batch sizes 1, 5 and 16; drafter faults
+cost speed only; tree arms mix with chain arms under the bandit."""
+
+import pytest
+import torch
+from test_engine import (
+    EOS,
+    chi_square_pvalue,
+    exact_sequence_distribution,
+    hf_greedy,
+    make_drafter,
+    peaked_model,
+    random_prompts,
+)
+
+import trl_tlt.engine as engine_module
+from trl_tlt.drafters import ModelDrafter
+from trl_tlt.engine import FixedSpeculation, SpeculativeEngine, tree_arm
+from trl_tlt.sampling import SamplingParams
+from trl_tlt.tree import DraftTree, checked_tree, depths_from_ancestors, tree_ancestors
+
+
+# (depth, topk, verify): a deterministic chain, a narrow tree, a wide one that keeps every node it drafts.
+TREES = [(3, 1, 3), (3, 2, 5), (4, 3, 21)]
+
+
+def tree_engine(model, drafter, shape):
+    return SpeculativeEngine(model, drafter=drafter, speculation=FixedSpeculation(shape[0], "default", *shape[1:]))
+
+
+def tree_drafter(name, model, tokenizer):
+    if name == "self":  # the policy drafting for itself: deep paths are accepted
+        return ModelDrafter(model, model.config.vocab_size)
+    return make_drafter(name, model, tokenizer)
+
+
+@pytest.mark.parametrize("drafter_name", ["model", "eagle3", "self"])
+def test_tree_greedy_matches_generate(tiny_model_f64, tokenizer, drafter_name):
+    model = tiny_model_f64
+    prompts = random_prompts(16, model.config.vocab_size, seed=11)
+    expected = hf_greedy(model, prompts, max_new_tokens=20)
+    params = SamplingParams(do_sample=False, max_new_tokens=20, eos_token_ids=(EOS,))
+    for shape in TREES:
+        engine = tree_engine(model, tree_drafter(drafter_name, model, tokenizer), shape)
+        for batch in (1, 5, 16):
+            out = engine.generate(prompts[:batch], params)
+            assert out.completion_ids == expected[:batch], (drafter_name, shape, batch)
+        if drafter_name == "self":  # paths deeper than one node were accepted
+            assert out.stats.mean_acceptance_length > 2.0
+
+
+def test_tree_greedy_with_repetition_penalty_matches_generate(tokenizer):
+    model = peaked_model(tokenizer, scale=3.0)
+    prompts = random_prompts(5, model.config.vocab_size, seed=3)
+    expected = hf_greedy(model, prompts, max_new_tokens=16, repetition_penalty=1.3)
+    params = SamplingParams(do_sample=False, max_new_tokens=16, eos_token_ids=(EOS,), repetition_penalty=1.3)
+    out = tree_engine(model, ModelDrafter(model, model.config.vocab_size), (4, 2, 8)).generate(prompts, params)
+    assert out.completion_ids == expected
+    assert out.stats.num_accepted_tokens > 0
+
+
+PARAMS = [
+    SamplingParams(temperature=0.7, top_k=5, max_new_tokens=4),
+    SamplingParams(temperature=1.3, top_p=0.6, max_new_tokens=4, repetition_penalty=1.3),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["temp0.7-topk5", "temp1.3-topp0.6-rep1.3"])
+@pytest.mark.parametrize("drafter_name", ["model", "eagle3"])
+def test_tree_sampling_reproduces_policy_distribution(tokenizer, params, drafter_name, monkeypatch):
+    model = peaked_model(tokenizer)
+    prompt = [11, 12, 13, 11, 12]
+    num_samples = 8000
+    # Token 1 comes from the prefill; tokens 2-4 from one tree step (the budget allows paths of depth 2).
+    expected = exact_sequence_distribution(model, prompt, params, length=4)
+    if drafter_name == "model":
+        drafter = ModelDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
+    else:
+        drafter = make_drafter("eagle3", model, tokenizer)
+    engine = tree_engine(model, drafter, (3, 3, 8))
+    out = engine.generate([prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234))
+    samples = [tuple(c) for c in out.completion_ids]
+    assert 0 < out.stats.num_accepted_tokens and out.stats.mean_acceptance_length < 3  # acceptances and rejections
+    if drafter_name == "model":  # a close drafter: paths of depth 2 are accepted too
+        assert out.stats.num_accepted_tokens_per_pos[1] > 0
+    assert chi_square_pvalue(samples, expected) > 1e-3
+
+    if drafter_name == "model":  # the test has power: a walk against a flattened distribution is caught
+        walk = engine_module.verify_tree
+        monkeypatch.setattr(
+            engine_module, "verify_tree", lambda logp, *args: walk(torch.log_softmax(0.8 * logp, dim=-1), *args)
+        )
+        bad = engine.generate([prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234))
+        assert chi_square_pvalue([tuple(c) for c in bad.completion_ids], expected) < 1e-6
+
+
+class BrokenTreeDrafter(ModelDrafter):
+    """Drafts a good tree, then breaks one row per fault: a token outside the vocabulary, a parent that is not an
+    earlier node, a node deeper than the arm allows."""
+
+    def propose_tree(self, ctx, depth, topk, verify):
+        tree = super().propose_tree(ctx, depth, topk, verify)
+        ids, parents = tree.token_ids.clone(), tree.parents.clone()
+        ids[0, 0] = 10**6
+        if ids.size(0) > 1:
+            parents[1, 0] = 3  # node 0 hangs from node 2
+        if ids.size(0) > 2:
+            parents[2] = torch.arange(parents.size(1))  # a chain as deep as the tree is wide
+        return DraftTree(ids, parents, tree.valid)
+
+
+def test_drafter_faults_cost_speed_not_correctness(tiny_model_f64):
+    model = tiny_model_f64
+    prompts = random_prompts(5, model.config.vocab_size, seed=6)
+    expected = hf_greedy(model, prompts, max_new_tokens=12)
+    params = SamplingParams(do_sample=False, max_new_tokens=12, eos_token_ids=(EOS,))
+    out = tree_engine(model, BrokenTreeDrafter(model, model.config.vocab_size), (2, 2, 5)).generate(prompts, params)
+    assert out.completion_ids == expected
+    assert out.stats.num_invalid_drafts >= out.stats.num_target_forwards  # the first row is broken at every step
+    assert out.stats.num_accepted_tokens > 0  # the rows left intact still speculate
+
+
+def test_tree_helpers():
+    # Root (0) -> node 0 (index 1) -> nodes 1, 2; node 3 under the root.
+    parents = torch.tensor([[0, 1, 1, 0]])
+    ancestors = tree_ancestors(parents, max_depth=2)
+    assert depths_from_ancestors(ancestors).tolist() == [[1, 2, 2, 1]]
+    assert ancestors[0, 3].nonzero().squeeze(1).tolist() == [0, 1, 3]
+    tree = DraftTree(torch.tensor([[5, 6, 7, 8]]), parents, torch.ones(1, 4, dtype=torch.bool))
+    _, _, rows_ok = checked_tree(tree, vocab=10, max_depth=1)  # node 1 is too deep
+    assert rows_ok.tolist() == [False]
+    _, _, rows_ok = checked_tree(tree, vocab=10, max_depth=2)
+    assert rows_ok.tolist() == [True]
+    for bad in [(0, 2, 3), (3, 0, 3), (3, 2, 0), (2, 2, 7)]:
+        with pytest.raises(ValueError, match="tree"):
+            tree_arm("default", *bad)
+    with pytest.raises(ValueError, match="both"):
+        FixedSpeculation(3, "default", topk=2)
+
+
+def test_bandit_mixes_chain_and_tree_arms_losslessly(tiny_model_f64, tokenizer):
+    from trl_tlt.drafters import NgramDrafter
+    from trl_tlt.selector import BanditSpeculation
+
+    model = tiny_model_f64
+    prompts = random_prompts(6, model.config.vocab_size, seed=9) * 2
+    expected = hf_greedy(model, prompts, max_new_tokens=20)
+    drafters = {"lm": ModelDrafter(model, model.config.vocab_size), "ngram": NgramDrafter()}
+    arms = [("lm", 2), tree_arm("lm", 3, 2, 5), ("ngram", 2)]
+    engine = SpeculativeEngine(model, drafter=drafters, speculation=BanditSpeculation(arms=arms, epsilon=0.5))
+    out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=20, eos_token_ids=(EOS,)))
+    assert out.completion_ids == expected
+    assert {2, 3} <= set(out.stats.num_speculative_tokens)  # chain and tree steps both ran
+    with pytest.raises(ValueError, match="chains only"):
+        SpeculativeEngine(model, drafter=drafters, speculation=FixedSpeculation(3, "ngram", 2, 5)).generate(
+            prompts, SamplingParams(max_new_tokens=4)
+        )
