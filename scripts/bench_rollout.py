@@ -1,8 +1,14 @@
 """Rollout benchmark: `model.generate` (TRL's transformers path) vs the speculative engine, in one process.
 
 On the same prompts, model and machine, runs interleaved: `model.generate`, the engine with speculation off, and
-the engine with each drafter (n-gram over prompt + siblings; a 1-layer LM warm-started on the SFT data). Sampling
-as GRPO does (temperature 1). Prints a table and writes JSON.
+the engine with each drafter: n-gram (prompt + siblings), a 1-layer draft LM, and the warm-start EAGLE-3 head
+drafting chains (k tokens) and trees (depth, topk, verify). Sampling as GRPO does (temperature 1). Prints a
+table and writes JSON.
+
+Completion lengths are random (sampling): the same prompt set gives each method completions of other lengths, so
+speed-ups are ratios of throughput (tokens generated per second), totalled over `--repeats` prompt sets per shape,
+every method on the same prompts back to back. The EAGLE-3 arm reported per shape is chosen on the even-numbered
+sets and measured on the odd-numbered ones (no selection bias in `spec_speedup_bs*`).
 
     python scripts/bench_rollout.py --output docs/benchmarks/rollout_cpu.json
 """
@@ -11,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
@@ -20,13 +25,24 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
-from _bench import write_json  # noqa: E402
+from _bench import machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from trl_tlt.engine import SpeculativeEngine  # noqa: E402
+from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
+from trl_tlt.engine import FixedSpeculation, SpeculativeEngine  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
-from trl_tlt.workload import build_draft_lm, build_policy, make_dataset, prompt_token_ids  # noqa: E402
+from trl_tlt.workload import (  # noqa: E402
+    build_draft_lm,
+    build_eagle3_drafter,
+    build_policy,
+    make_dataset,
+    prompt_token_ids,
+)
+
+
+CHAINS = (2, 3, 4, 5, 6)
+TREES = ((3, 2, 6), (4, 2, 8), (4, 3, 12), (5, 3, 12), (6, 3, 16), (6, 4, 24))
 
 
 def hf_generate(model, tokenizer, prompts, params: SamplingParams, seed: int) -> list[list[int]]:
@@ -50,11 +66,28 @@ def hf_generate(model, tokenizer, prompts, params: SamplingParams, seed: int) ->
     return [c[: next((i + 1 for i, t in enumerate(c) if t in eos), len(c))] for c in out]
 
 
+def eagle_methods(model, head, k: int) -> dict:
+    """The EAGLE-3 arms: chains of k tokens for k in CHAINS (`--num-speculative-tokens` among them) and TREES."""
+    methods = {}
+    for chain in sorted({*CHAINS, k}):
+        methods[f"eagle3_k{chain}"] = lambda c=chain: SpeculativeEngine(model, Eagle3Drafter(head), c)
+    for depth, topk, verify in TREES:
+        methods[f"eagle3_tree_d{depth}_t{topk}_v{verify}"] = lambda d=depth, t=topk, v=verify: SpeculativeEngine(
+            model, Eagle3Drafter(head), speculation=FixedSpeculation(d, "default", topk=t, verify=v)
+        )
+    return methods
+
+
+def arm_depth(method: str) -> int:
+    """k of a chain arm, depth of a tree arm."""
+    return int(method.split("_k")[1]) if "_k" in method else int(method.split("_d")[1].split("_")[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="1x1,2x4,8x8", help="prompts x generations per batch, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3, help="different prompt sets per shape")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--repeats", default="16,16,8", help="prompt sets per shape (one number, or one per shape)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the n-gram and draft-LM arms")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--output", default=None)
@@ -62,11 +95,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    shapes = args.shapes.split(",")
+    repeats = [int(r) for r in args.repeats.split(",")]
+    repeats = repeats * len(shapes) if len(repeats) == 1 else repeats
+    if len(repeats) != len(shapes) or min(repeats) < 2:
+        raise SystemExit("--repeats: one number >= 2, or one per shape.")
 
     policy_path = build_policy(cache_dir=args.cache_dir)
     draft_path = build_draft_lm(cache_dir=args.cache_dir)
+    eagle_path = build_eagle3_drafter(cache_dir=args.cache_dir)
     model = AutoModelForCausalLM.from_pretrained(policy_path).eval()
     draft_lm = AutoModelForCausalLM.from_pretrained(draft_path).eval()
+    head = Eagle3Model.from_pretrained(eagle_path, model)
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     params = SamplingParams(
         temperature=1.0, max_new_tokens=args.max_new_tokens, eos_token_ids=(tokenizer.eos_token_id,)
@@ -79,20 +119,24 @@ def main() -> None:
         "engine_draft_lm": lambda: SpeculativeEngine(
             model, ModelDrafter(draft_lm, model.config.vocab_size), num_speculative_tokens=k
         ),
+        **eagle_methods(model, head, k),
     }
+    eagle = [m for m in methods if m.startswith("eagle3")]
 
     # Warm-up (first calls allocate).
     warm = prompt_token_ids(tokenizer, make_dataset(2, seed=99)["prompt"])
     hf_generate(model, tokenizer, warm, SamplingParams(max_new_tokens=8, eos_token_ids=params.eos_token_ids), 0)
-    SpeculativeEngine(model).generate(warm, SamplingParams(max_new_tokens=8))
+    for make in (methods["engine_no_spec"], methods["eagle3_k4"], methods["eagle3_tree_d4_t2_v8"]):
+        make().generate(warm, SamplingParams(max_new_tokens=8))
 
     per_shape = {}
-    for shape in args.shapes.split(","):
+    counts = {m: {"accepted": 0, "drafts": 0, "emitted": 0, "verifies": 0} for m in methods}
+    for shape, num_sets in zip(shapes, repeats, strict=True):
         num_prompts, num_generations = (int(x) for x in shape.split("x"))
         times = {m: [] for m in methods}
-        tokens = {m: 0 for m in methods}
+        set_tokens = {m: [] for m in methods}
         accept = {m: [] for m in methods}
-        for repeat in range(args.repeats):
+        for repeat in range(num_sets):
             data = make_dataset(num_prompts, seed=1000 + 17 * repeat + num_prompts)
             prompts = [p for p in prompt_token_ids(tokenizer, data["prompt"]) for _ in range(num_generations)]
             for name, make in methods.items():  # interleaved: every method sees the same prompts back to back
@@ -103,45 +147,81 @@ def main() -> None:
                 else:
                     out = make().generate(prompts, params, generator=torch.Generator().manual_seed(seed))
                     completions = out.completion_ids
-                    accept[name].append(out.stats.mean_acceptance_length)
+                    stats = out.stats
+                    accept[name].append(stats.mean_acceptance_length)
+                    counts[name]["accepted"] += stats.num_accepted_tokens
+                    counts[name]["drafts"] += stats.num_drafts
+                    counts[name]["emitted"] += stats.num_emitted_tokens
+                    counts[name]["verifies"] += stats.num_target_forwards
                 times[name].append(time.perf_counter() - start)
-                tokens[name] += sum(len(c) for c in completions)
-        median = {m: statistics.median(t) for m, t in times.items()}
+                set_tokens[name].append(sum(len(c) for c in completions))
+        tokens = {m: sum(n) for m, n in set_tokens.items()}
+        total = {m: sum(t) for m, t in times.items()}
+        throughput = {m: tokens[m] / total[m] for m in methods}
+
+        def sets_throughput(method: str, parity: int) -> float:
+            return sum(set_tokens[method][parity::2]) / sum(times[method][parity::2])
+
+        # The EAGLE-3 arm: fastest on the even sets, measured on the odd ones against speculation off.
+        best = max(eagle, key=lambda m: sets_throughput(m, 0))
+        held_out = sets_throughput(best, 1) / sets_throughput("engine_no_spec", 1)
         per_shape[shape] = {
             "batch_size": num_prompts * num_generations,
-            "median_seconds": median,
+            "prompt_sets": num_sets,
+            "total_seconds": total,
+            "median_seconds": {m: statistics.median(t) for m, t in times.items()},
             "tokens": tokens,
-            "tokens_per_second": {m: tokens[m] / sum(times[m]) for m in methods},
+            "tokens_per_second": throughput,
             "mean_acceptance_length": {m: statistics.mean(a) for m, a in accept.items() if a},
-            "speedup_vs_generate": {m: median["generate"] / median[m] for m in methods},
-            "speedup_vs_no_spec": {m: median["engine_no_spec"] / median[m] for m in methods},
+            "speedup_vs_generate": {m: throughput[m] / throughput["generate"] for m in methods},
+            "speedup_vs_no_spec": {m: throughput[m] / throughput["engine_no_spec"] for m in methods},
+            "best_eagle3_arm": best,
+            "best_eagle3_speedup_vs_no_spec_held_out": held_out,
         }
-        print(f"\n== {shape} (batch {num_prompts * num_generations}), median of {args.repeats} prompt sets ==")
-        print(
-            f"{'method':<18}{'seconds':>9}{'tokens':>8}{'tok/s':>9}{'vs generate':>13}{'vs no-spec':>12}{'accept len':>12}"
-        )
+        print(f"\n== {shape} (batch {num_prompts * num_generations}), totals over {num_sets} prompt sets ==")
+        print(f"{'method':<28}{'seconds':>9}{'tokens':>8}{'tok/s':>8}{'vs generate':>13}{'vs no-spec':>12}{'acc len':>9}")
+        row = per_shape[shape]
         for m in methods:
-            row = per_shape[shape]
             acc = row["mean_acceptance_length"].get(m)
             print(
-                f"{m:<18}{median[m]:>9.3f}{tokens[m]:>8}{row['tokens_per_second'][m]:>9.0f}"
+                f"{m:<28}{total[m]:>9.2f}{tokens[m]:>8}{row['tokens_per_second'][m]:>8.0f}"
                 f"{row['speedup_vs_generate'][m]:>12.2f}x{row['speedup_vs_no_spec'][m]:>11.2f}x"
-                f"{'' if acc is None else f'{acc:.2f}':>12}"
+                f"{'' if acc is None else f'{acc:.2f}':>9}"
             )
+        print(f"best EAGLE-3 arm (even sets): {best}; on the odd sets {held_out:.2f}x vs speculation off")
 
-    grpo = per_shape.get("8x8") or per_shape[list(per_shape)[-1]]
-    drafters = ["engine_ngram", "engine_draft_lm"]
+    # Acceptance over every run: accepted draft tokens per verification, the best tree vs the chain of its depth.
+    accepted_per_verify = {m: c["accepted"] / c["drafts"] for m, c in counts.items() if c["drafts"]}
+    acceptance_length = {m: 1 + accepted_per_verify[m] for m in accepted_per_verify}
+    trees = [m for m in eagle if "_tree_" in m]
+    best_tree = max(trees, key=lambda m: accepted_per_verify[m])
+    chain = f"eagle3_k{arm_depth(best_tree)}"
+
+    grpo = per_shape.get("8x8") or per_shape[shapes[-1]]
+    drafters = ["engine_ngram", "engine_draft_lm", *eagle]
     best = max(drafters, key=lambda m: grpo["speedup_vs_no_spec"][m])
+
+    def held_out_speedup(shape: str) -> float | None:
+        return per_shape[shape]["best_eagle3_speedup_vs_no_spec_held_out"] if shape in per_shape else None
+
     result = {
         "benchmark": "rollout",
         "model": f"embedded policy {policy_path.name} (Qwen2, {model.config.num_hidden_layers} layers, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params), fp32",
         "draft_lm": f"{draft_path.name} ({draft_lm.config.num_hidden_layers} layer)",
-        "machine": f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
-        "sampling": "temperature 1.0, no top-k/top-p",
+        "eagle3": f"{eagle_path.name} (warm start, 1 layer)",
+        "machine": machine(),
+        "sampling": f"temperature 1.0, no top-k/top-p, max_new_tokens {args.max_new_tokens}",
         "num_speculative_tokens": k,
-        "repeats": args.repeats,
+        "repeats": dict(zip(shapes, repeats, strict=True)),
+        "spec_speedup_bs1": held_out_speedup("1x1"),
+        "spec_speedup_bs8": held_out_speedup("2x4"),
+        "spec_speedup_bs64": held_out_speedup("8x8"),
+        "tree_over_chain_acceptance": accepted_per_verify[best_tree] / accepted_per_verify[chain],
+        "tree_over_chain_acceptance_length": acceptance_length[best_tree] / acceptance_length[chain],
+        "best_tree": best_tree,
+        "chain_of_equal_k": chain,
+        "accepted_tokens_per_verify": accepted_per_verify,
         "best_drafter": best,
         "speedup_vs_generate": grpo["speedup_vs_generate"][best],
         "speedup_vs_no_spec": grpo["speedup_vs_no_spec"][best],
@@ -150,9 +230,13 @@ def main() -> None:
         "per_batch_size": per_shape,
     }
     print(
-        f"\nGRPO-like batch: best drafter {best}: {result['speedup_vs_generate']:.2f}x vs generate, "
-        f"{result['speedup_vs_no_spec']:.2f}x vs speculation off (acceptance length "
-        f"{result['mean_acceptance_length']:.2f}); speculation off {result['no_spec_speedup_vs_generate']:.2f}x vs generate"
+        f"\nspec-on / spec-off (EAGLE-3, held-out sets): batch 1 {result['spec_speedup_bs1']}, batch 8 "
+        f"{result['spec_speedup_bs8']}, batch 64 {result['spec_speedup_bs64']}\n"
+        f"accepted tokens per verify: best tree {best_tree} {accepted_per_verify[best_tree]:.2f} vs {chain} "
+        f"{accepted_per_verify[chain]:.2f} ({result['tree_over_chain_acceptance']:.2f}x; acceptance length "
+        f"{result['tree_over_chain_acceptance_length']:.2f}x)\n"
+        f"GRPO-like batch: best drafter {best}: {result['speedup_vs_generate']:.2f}x vs generate, "
+        f"{result['speedup_vs_no_spec']:.2f}x vs speculation off"
     )
     write_json(result, args.output)
 

@@ -86,6 +86,54 @@ def test_packed_samples_do_not_attend_across(policy64):
 
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 64])
+def test_draft_session_equals_cached_inference(policy64, draft_vocab_size):
+    """The lean drafting path (`_DraftSession`) == `Eagle3Model.forward` through the ragged cache, for a chain and for
+    a tree (each node attends to its own ancestors only), over a cache with holes."""
+    from trl_tlt.drafters.eagle3 import _DraftSession
+
+    head = make_head(policy64, draft_vocab_size)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (7, 4)]
+    hidden = torch.randn(2, 7, 64, generator=g, dtype=torch.float64)
+
+    def runner_with_hole():
+        runner = RaggedKVModel(head, output_hidden_states=True)
+        runner.prefill(prompts, hidden_states=hidden)
+        step = torch.tensor([[5, 6], [7, 8]])
+        runner.extend(step, torch.ones(2, 2, dtype=torch.bool), hidden_states=hidden[:, :2])
+        runner.truncate(runner.lengths - 1)  # a hole in each row
+        return runner
+
+    tokens = torch.randint(3, 200, (2, 3), generator=g)
+    h0 = torch.randn(2, 1, 64, generator=g, dtype=torch.float64)
+    runner, session = runner_with_hole(), None
+    session = _DraftSession(head, runner, depth=3)
+    h_ref = h_lean = h0
+    for j in range(3):  # a chain: depth j + 1 fed with the previous step's pre-norm output
+        logits_ref = runner.extend(tokens[:, j : j + 1], torch.ones(2, 1, dtype=torch.bool), hidden_states=h_ref)
+        h_ref = runner.hidden_states[0]
+        logits, h_lean = session.step(tokens[:, j : j + 1], h_lean, depth=j + 1)
+        torch.testing.assert_close(logits, logits_ref)
+        torch.testing.assert_close(h_lean, h_ref)
+
+    # A tree: two root children (slots 0, 1), then two children of slot 1 (slots 2, 3).
+    runner = runner_with_hole()
+    session = _DraftSession(head, runner, depth=2)
+    base = runner.lengths[:, None]
+    level1, level2 = tokens[:, :2], tokens[:, 1:]
+    h1 = torch.randn(2, 2, 64, generator=g, dtype=torch.float64)
+    eye = torch.eye(2, dtype=torch.bool).expand(2, 2, 2)
+    ref1 = runner.extend_tree(level1, torch.ones(2, 2, dtype=torch.bool), base.expand(2, 2), eye, hidden_states=h1)
+    lean1, _ = session.step(level1, h1, depth=1, visible=eye)
+    torch.testing.assert_close(lean1, ref1)
+    visible = torch.tensor([[False, True, True, False], [False, True, False, True]]).expand(2, 2, 4)
+    h2 = runner.hidden_states[0][:, 1:2].expand(2, 2, 64)
+    ref2 = runner.extend_tree(level2, torch.ones(2, 2, dtype=torch.bool), base.expand(2, 2) + 1, visible, hidden_states=h2)
+    lean2, _ = session.step(level2, h2, depth=2, visible=visible)
+    torch.testing.assert_close(lean2, ref2)
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 64])
 def test_engine_greedy_equals_plain_decoding(policy64, tokenizer, draft_vocab_size):
     head = make_head(policy64, draft_vocab_size)
     prompts = [tokenizer.encode(t) for t in ("12+34=", "The quick brown", "Count: 1 2 3", "7")]

@@ -2,6 +2,8 @@
 completions (with a negative control) for each drafter that drafts trees, at batch sizes 1, 5 and 16; drafter faults
 cost speed only; tree arms mix with chain arms under the bandit."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_engine import (
@@ -86,13 +88,27 @@ def test_tree_sampling_reproduces_policy_distribution(tokenizer, params, drafter
         assert out.stats.num_accepted_tokens_per_pos[1] > 0
     assert chi_square_pvalue(samples, expected) > 1e-3
 
-    if drafter_name == "model":  # the test has power: a walk against a flattened distribution is caught
+    if drafter_name == "model":  # the test has power: a backbone whose q is misreported is caught ...
+        liar = LyingTreeDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
+        bad = tree_engine(model, liar, (3, 3, 8)).generate(
+            [prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234)
+        )
+        assert chi_square_pvalue([tuple(c) for c in bad.completion_ids], expected) < 1e-6
+        # ... and so is a walk against a flattened distribution.
         walk = engine_module.verify_tree
         monkeypatch.setattr(
             engine_module, "verify_tree", lambda logp, *args: walk(torch.log_softmax(0.8 * logp, dim=-1), *args)
         )
         bad = engine.generate([prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234))
         assert chi_square_pvalue([tuple(c) for c in bad.completion_ids], expected) < 1e-6
+
+
+class LyingTreeDrafter(ModelDrafter):
+    """Negative control: samples the backbone from q but reports a uniform q, which breaks rejection sampling."""
+
+    def propose_tree(self, ctx, depth, topk, verify):
+        tree = super().propose_tree(ctx, depth, topk, verify)
+        return dataclasses.replace(tree, probs=torch.full_like(tree.probs, 1.0 / tree.probs.size(-1)))
 
 
 class BrokenTreeDrafter(ModelDrafter):

@@ -359,7 +359,7 @@ class SpeculativeEngine:
             one_hot = torch.zeros((*tokens.shape, seen.size(1)), device=seen.device).scatter_(2, tokens[..., None], 1.0)
             step_seen = seen[:, None, :] | (ancestors.float() @ one_hot > 0)
         logp = process_logits(upcast_logits(logits), params, step_seen)
-        path, num_accepted, next_tokens, emitted_lp = verify_tree(logp, tree, max_depth, params.do_sample, generator)
+        path, num_accepted, next_tokens, emitted_lp = verify_tree(logp, tree, depths, max_depth, params.do_sample, generator)
         depth = path.size(1)
         on_path = torch.arange(depth, device=path.device)[None] < num_accepted[:, None]
         order = torch.cat([torch.zeros_like(last), torch.where(on_path, path, 0)], dim=1)  # (B, D+1) kept indices

@@ -7,6 +7,8 @@ from this processed distribution.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -97,3 +99,27 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
         threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
+
+
+def sample_draft_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """A drafter's distribution q as log-probabilities (..., V), from policy-vocabulary logits (..., V).
+
+    q may be any distribution (verification stays exact), so the repetition penalty, which needs the full history,
+    is skipped. A row whose distribution is not one (a drafter with NaN or infinite weights) becomes uniform:
+    speculation then costs speed, never correctness.
+    """
+    logprobs = process_logits(upcast_logits(logits), dataclasses.replace(params, repetition_penalty=1.0))
+    probs = logprobs.exp()
+    broken = ~(torch.isfinite(probs).all(dim=-1, keepdim=True) & (probs.sum(dim=-1, keepdim=True) > 0))
+    if broken.any():
+        logprobs = torch.where(broken, torch.full_like(logprobs, -math.log(logprobs.size(-1))), logprobs)
+    return logprobs
+
+
+def sample_draft(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft tokens (B,) and q (B, V) from policy-vocabulary logits (B, V) (`sample_draft_logprobs`); greedy
+    drafts the argmax (verification then ignores q)."""
+    probs = sample_draft_logprobs(logits, params).exp()
+    if not params.do_sample:
+        return probs.argmax(dim=-1), probs
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs

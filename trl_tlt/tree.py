@@ -1,23 +1,29 @@
 """Tree speculation: draft a tree of continuations, verify all its nodes in one policy forward, keep one path.
 
-A drafter expands the top-k children of its best nodes to a depth (EAGLE-2's dynamic tree: at each depth the
-`topk` best nodes by cumulative draft log-probability are expanded, each by its `topk` most likely tokens) and
-keeps the `verify` best nodes of the whole pool. Node i (index i+1; index 0 is the root, the row's newest token)
-sits at position root + depth(i) and attends to the committed cache and its ancestors only (a tree attention mask),
-so one forward scores every node as if its path had been decoded alone.
+The drafter grows a dynamic tree (EAGLE-2) around a sampled chain:
 
-Verification walks the tree (lossless for sampling and exact for greedy):
+- the *backbone*: at every depth one child sampled from the drafter's distribution q, exactly the chain a chain
+  arm drafts (greedy: its argmax);
+- *side branches*: the other `topk - 1` most likely tokens under each backbone node and the `topk` most likely
+  under every other expanded node. At each depth the backbone node and the `topk - 1` best other nodes by
+  cumulative draft log-probability are expanded; of the whole pool the backbone and the best other nodes are kept,
+  `verify` nodes in all.
 
-    node = root
-    repeat:  x ~ p(. | path to node)   (argmax for greedy)
-             if a child of node holds x: node = that child (x accepted)  else: emit x and stop
+Node i (index i+1; index 0 is the root, the row's newest token) sits at position root + depth(i) and attends to
+the committed cache and to its ancestors only (a tree attention mask), so one forward scores every node as if its
+path had been decoded alone. Verification walks the tree from the root (multi-draft recursive rejection sampling):
 
-Every emitted token is drawn from the policy's processed distribution given exactly the tokens before it, so the
-completion is distributed as plain sampling. This is multi-draft recursive rejection sampling (SpecInfer) with
-deterministic drafts: testing the children one by one, child c accepted with probability r(c) and r <- r without
-c after a rejection (r = p first), accepts child c with probability p(c) and emits x ~ p outside the children
-otherwise, which is what the walk does with one uniform per depth. A node is accepted with probability
-p(its token | its path), so a tree pays when p puts its mass on the drafter's top tokens.
+    at a backbone node:  accept the sampled child d iff u * q(d) <= p(d)              (as for a chain)
+                         else x ~ norm(max(p - q, 0)), the residual
+    at any other node:   x ~ p
+    if a child holds x, move to it and go on; else emit x and stop
+
+Lossless: at a backbone node the first line is one step of speculative sampling, whose output (d or x) is
+distributed as p; elsewhere x is drawn from p. Which other children exist only decides whether a drafted
+continuation follows x, never x itself, so every emitted token is distributed as the policy's processed
+distribution given the tokens before it. (Testing deterministic children one by one, child c accepted with
+probability r(c) and r <- r without c after a rejection, is the same as drawing x ~ r once.) Greedy walks the
+argmax. The backbone alone is the chain arm's step: a tree accepts at least as much at equal depth.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, process_logits, upcast_logits
+from .sampling import SamplingParams, sample_draft_logprobs
 from .speculative import sample_inverse_cdf
 
 
@@ -39,11 +45,16 @@ class DraftTree:
         token_ids: (B, N) node tokens (entries of invalid nodes are ignored).
         parents: (B, N) index of each node's parent: 0 = the root (the row's newest token), i + 1 = node i.
         valid: (B, N) real nodes; a row drafts `valid[b].sum()` nodes.
+        sampled: (B, N) backbone nodes: drawn from q of their parent, at most one per depth, each under the root or
+            the previous one (None: none, every node is verified by the walk against p alone).
+        probs: (B, D, V) q of the backbone node at depth d + 1 (None without a backbone).
     """
 
     token_ids: torch.Tensor
     parents: torch.Tensor
     valid: torch.Tensor
+    sampled: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
 
 
 def tree_ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -68,7 +79,9 @@ def depths_from_ancestors(ancestors: torch.Tensor) -> torch.Tensor:
 
 def checked_tree(tree: DraftTree, vocab: int, max_depth: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """A drafter fault must never reach verification: a row with a token outside the vocabulary, a parent that is not
-    an earlier valid node, or a node deeper than `max_depth` drafts nothing this step.
+    an earlier valid node, or a node deeper than `max_depth` drafts nothing this step; a row whose backbone is not a
+    chain from the root or whose q is not a distribution with mass on it keeps its nodes but loses the backbone
+    (all its nodes are walked against p alone, still exact).
 
     Returns the tree made safe, its ancestor relation (`tree_ancestors`, invalid nodes see themselves only) and the
     valid rows (B,).
@@ -79,69 +92,112 @@ def checked_tree(tree: DraftTree, vocab: int, max_depth: int) -> tuple[DraftTree
     rows_ok = (ok_nodes | ~valid).all(dim=1)
     parents = torch.where(ok_nodes & rows_ok[:, None], parents, 0)
     # A valid node under an invalid one would hang from nothing.
-    parent_valid = torch.cat([torch.ones_like(valid[:, :1]), valid], dim=1).gather(1, parents)
-    rows_ok &= (parent_valid | ~valid).all(dim=1)
+    with_root = torch.cat([torch.ones_like(valid[:, :1]), valid], dim=1)
+    rows_ok &= (with_root.gather(1, parents) | ~valid).all(dim=1)
     ancestors = tree_ancestors(parents, max_depth)
-    rows_ok &= ((depths_from_ancestors(ancestors) <= max_depth) | ~valid).all(dim=1)
+    depths = depths_from_ancestors(ancestors)
+    rows_ok &= ((depths <= max_depth) | ~valid).all(dim=1)
     valid = valid & rows_ok[:, None]
     with_root = torch.cat([torch.ones_like(valid[:, :1]), valid], dim=1)
     ancestors &= with_root[:, None, :] | torch.eye(with_root.size(1), dtype=torch.bool, device=valid.device)
-    safe = DraftTree(torch.where(valid, ids, 0), torch.where(valid, parents, 0), valid)
+    ids, parents = torch.where(valid, ids, 0), torch.where(valid, parents, 0)
+    sampled, probs = None, None
+    if tree.sampled is not None and tree.probs is not None:
+        sampled, probs = tree.sampled.bool() & valid, tree.probs
+        # A chain from the root: one backbone node per depth, each under the root or a backbone node.
+        on_backbone = torch.cat([torch.ones_like(sampled[:, :1]), sampled], dim=1).gather(1, parents)
+        per_parent = torch.zeros_like(with_root, dtype=torch.long).scatter_add_(1, parents, sampled.long())
+        chain = ((on_backbone | ~sampled).all(dim=1)) & (per_parent <= 1).all(dim=1)
+        chain &= ((depths <= probs.size(1)) | ~sampled).all(dim=1)
+        level = (depths - 1).clamp(0, probs.size(1) - 1)  # (B, N) index into probs
+        q_node = probs.gather(1, level[..., None].expand(-1, -1, probs.size(2))).gather(2, ids[..., None]).squeeze(2)
+        finite = (torch.isfinite(probs).all(dim=2) & (probs >= 0).all(dim=2)).all(dim=1)
+        chain &= finite & ((q_node > 0) | ~sampled).all(dim=1)
+        sampled = sampled & chain[:, None]
+        probs = torch.where(chain[:, None, None], probs, 0.0)
+    safe = DraftTree(ids, parents, valid, sampled, probs)
     return safe, ancestors, rows_ok
 
 
 def verify_tree(
     target_logprobs: torch.Tensor,
     tree: DraftTree,
+    depths: torch.Tensor,
     max_depth: int,
     do_sample: bool,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Walk each row's tree with tokens drawn from the target.
+    """Walk each row's tree with tokens drawn from the target (see the module docstring).
 
     Args:
         target_logprobs: (B, N+1, V) processed log-probabilities at the root (index 0) and at every node.
         tree: The (checked) draft tree.
+        depths: (B, N) depth of every node (`depths_from_ancestors`).
         max_depth: Depth of its deepest valid node.
         do_sample: False = greedy (argmax) walk.
-        generator: Random generator for the uniforms (one per depth and row, always drawn).
+        generator: Random generator for the uniforms (two per index and row, always drawn).
 
     Returns:
         path (B, D): index (1..N) of the accepted node at each depth (garbage past `num_accepted`), num_accepted
         (B,), next_token_ids (B,) and emitted_logprobs (B, D+1): log p of the accepted tokens, then of the next
         token at index num_accepted.
     """
-    batch, n_plus_1, _ = target_logprobs.shape
-    device = target_logprobs.device
-    uniforms = None
+    batch, n_plus_1, vocab = target_logprobs.shape
+    device, dtype = target_logprobs.device, target_logprobs.dtype
+    # x[n]: the token drawn at index n, should the walk reach it (one draw per node: the walk visits each once).
     if do_sample:
-        uniforms = torch.rand((batch, max_depth + 1), generator=generator, device=device, dtype=target_logprobs.dtype)
-    rows = torch.arange(batch, device=device)
-    node = torch.zeros(batch, dtype=torch.long, device=device)  # current index (0 = root)
+        uniforms = torch.rand((batch, n_plus_1, 2), generator=generator, device=device, dtype=dtype)
+        probs = target_logprobs.exp()
+        x = sample_inverse_cdf(probs.flatten(0, 1), uniforms[..., 1].flatten()).view(batch, n_plus_1)
+    else:
+        x = target_logprobs.argmax(dim=-1)  # (B, N+1)
+    index = torch.arange(n_plus_1, device=device)
+    accepted_child = None
+    sampled = None if tree.sampled is None else tree.sampled & tree.valid
+    if do_sample and sampled is not None and sampled.any():
+        # Backbone node at depth j (the root for j = 0): test its sampled child, else draw from the residual.
+        levels = tree.probs.size(1)
+        child = torch.zeros((batch, levels + 1), dtype=torch.long, device=device)
+        at = torch.where(sampled, depths, 0).clamp(max=levels)
+        child.scatter_(1, at, torch.where(sampled, index[None, 1:], 0))
+        child = child[:, 1:]  # (B, L): index of the sampled node at depth j + 1, 0 = none
+        has = child > 0
+        parent = torch.cat([torch.zeros_like(tree.parents[:, :1]), tree.parents], dim=1).gather(1, child)
+        main = torch.cat([torch.zeros_like(tree.token_ids[:, :1]), tree.token_ids], dim=1).gather(1, child)
+        p = probs.gather(1, parent[..., None].expand(-1, -1, vocab))  # (B, L, V)
+        q_main = tree.probs.gather(2, main[..., None]).squeeze(2)
+        accept = has & (uniforms[..., 0].gather(1, parent) * q_main <= p.gather(2, main[..., None]).squeeze(2))
+        residual = (p - tree.probs).clamp(min=0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # round-off guard
+        drawn = sample_inverse_cdf(residual.flatten(0, 1), uniforms[..., 1].gather(1, parent).flatten())
+        drawn = torch.where(accept, main, drawn.view(batch, levels))
+        accepted_child = child
+        spill = torch.where(has, parent, n_plus_1)  # rows without a backbone node write past the end
+        x = torch.cat([x, x[:, :1]], dim=1).scatter(1, spill, drawn)[:, :-1]
+    # next_index[n]: the child of n holding x[n], 0 = none (the walk stops at n and emits x[n]).
+    children = tree.valid[:, None, :] & (tree.parents[:, None, :] == index[None, :, None])  # (B, N+1, N)
+    match = children & (tree.token_ids[:, None, :] == x[..., None])
+    next_index = torch.where(match.any(dim=2), match.int().argmax(dim=2) + 1, 0)  # (B, N+1)
+    if accepted_child is not None:  # an accepted backbone token moves to the sampled child, not to a twin
+        accepted_child = torch.where(accept, child, next_index.gather(1, parent))
+        next_index = torch.cat([next_index, next_index[:, :1]], dim=1).scatter(1, spill, accepted_child)[:, :-1]
+    x_logprobs = target_logprobs.gather(2, x[..., None]).squeeze(2)  # (B, N+1)
+
+    node = torch.zeros(batch, dtype=torch.long, device=device)
     walking = torch.ones(batch, dtype=torch.bool, device=device)
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
-    next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
     path = torch.zeros((batch, max_depth), dtype=torch.long, device=device)
-    emitted_logprobs = torch.zeros((batch, max_depth + 1), dtype=target_logprobs.dtype, device=device)
+    emitted_logprobs = torch.zeros((batch, max_depth + 1), dtype=dtype, device=device)
     for depth in range(max_depth + 1):
-        logprobs = target_logprobs[rows, node]  # (B, V)
-        if do_sample:
-            x = sample_inverse_cdf(logprobs.exp(), uniforms[:, depth])
-        else:
-            x = logprobs.argmax(dim=-1)
-        emitted_logprobs[:, depth] = torch.where(walking, logprobs.gather(1, x[:, None]).squeeze(1), 0.0)
-        match = tree.valid & (tree.parents == node[:, None]) & (tree.token_ids == x[:, None])  # (B, N)
-        found = walking & match.any(dim=1)
-        stops = walking & ~found
-        next_tokens = torch.where(stops, x, next_tokens)
-        if depth < max_depth:
-            child = match.int().argmax(dim=1) + 1
-            path[:, depth] = torch.where(found, child, 0)
-            node = torch.where(found, child, node)
-        num_accepted += found.long()
-        walking = found
-        if not walking.any():
+        emitted_logprobs[:, depth] = x_logprobs.gather(1, node[:, None]).squeeze(1)
+        if depth == max_depth:
             break
+        following = next_index.gather(1, node[:, None]).squeeze(1)
+        walking = walking & (following > 0)
+        path[:, depth] = torch.where(walking, following, 0)
+        node = torch.where(walking, following, node)
+        num_accepted += walking.long()
+    next_tokens = x.gather(1, node[:, None]).squeeze(1)
     return path, num_accepted, next_tokens, emitted_logprobs
 
 
@@ -152,67 +208,78 @@ def draft_tree(
     depth: int,
     topk: int,
     verify: int,
+    generator: torch.Generator | None = None,
 ) -> DraftTree:
-    """Expand a draft tree from a drafter's root logits (EAGLE-2's dynamic tree).
+    """Grow a draft tree from a drafter's root logits: a sampled backbone plus EAGLE-2 side branches.
 
     Args:
         root_logits: (B, V) the drafter's logits for the token after the root.
         step: `step(tokens, parent_slots, visible, depth)` runs the drafter on the frontier: tokens (B, w) at
             depth `depth`, parent_slots (B, w) the draft slot of each one's parent (-1 = the root), visible (B, w, m)
             which of the m draft slots fed so far (these w last) each attends to; returns their logits (B, w, V).
-        params: Sampling settings (the drafter's distribution is processed like the policy's, without the
-            repetition penalty; it only ranks the nodes).
+        params: Sampling settings: q is the drafter's distribution processed like the policy's, without the
+            repetition penalty (`sample_draft`); the backbone is sampled from it (greedy: its argmax).
         depth, topk, verify: Tree depth, children per expanded node and frontier width, nodes kept.
+        generator: Random generator of the backbone's samples.
 
     Returns:
-        The `verify` nodes of highest cumulative draft log-probability (a subtree: a node never scores above its
-        parent), in topological order.
+        The backbone and the best other nodes by cumulative log q, `verify` in all (a subtree: a node never scores
+        above its parent), in topological order, with the backbone's q.
     """
-    params = SamplingParams(
-        do_sample=params.do_sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-        min_p=params.min_p, max_new_tokens=params.max_new_tokens,
-    )
-    logq = process_logits(upcast_logits(root_logits), params)  # (B, V)
-    scores, tokens = logq.topk(topk, dim=-1)  # (B, topk)
-    batch, device = tokens.size(0), tokens.device
-    pool_tokens, pool_scores = [tokens], [scores]
-    pool_parents = [torch.zeros_like(tokens)]  # pool index + 1 of the parent (0 = root)
-    frontier = torch.arange(1, topk + 1, device=device)[None].expand(batch, topk)  # pool index + 1
-    frontier_tokens, frontier_scores = tokens, scores
-    parent_slots = torch.full_like(tokens, -1)
+    logq = sample_draft_logprobs(root_logits[:, None], params)  # (B, 1, V)
+    batch, device = logq.size(0), logq.device
+    frontier_pool = torch.zeros((batch, 1), dtype=torch.long, device=device)  # pool index + 1 (0 = root)
+    frontier_scores = torch.zeros((batch, 1), dtype=logq.dtype, device=device)
+    frontier_slots = torch.full((batch, 1), -1, dtype=torch.long, device=device)
     slot_ancestors = torch.zeros((batch, 0, 0), dtype=torch.bool, device=device)  # (B, m, m)
-    pool_size = topk
-    for d in range(1, depth):
-        # Feed the frontier: each node sees its ancestors' slots and its own.
+    pools: list[tuple[torch.Tensor, ...]] = []  # per depth: tokens, scores, parents, backbone flags
+    backbone_probs = []
+    pool_size = 0
+    for d in range(1, depth + 1):
+        # Children: top-k of every frontier node; the backbone node (frontier position 0) gets its sampled token first.
+        width = logq.size(1)
+        scores, tokens = logq.topk(topk, dim=-1)  # (B, w, topk)
+        q = logq[:, 0].exp()
+        main = torch.multinomial(q, 1, generator=generator) if params.do_sample else q.argmax(-1, keepdim=True)
+        others = logq[:, 0].scatter(-1, main, float("-inf")).topk(topk - 1, dim=-1)
+        tokens[:, 0] = torch.cat([main, others.indices], dim=-1)
+        scores[:, 0] = torch.cat([logq[:, 0].gather(-1, main), others.values], dim=-1)
+        backbone_probs.append(q)
+        scores = (frontier_scores[..., None] + scores).flatten(1)  # (B, w * topk)
+        tokens = tokens.flatten(1)
+        parents = frontier_pool[..., None].expand(batch, width, topk).flatten(1)
+        backbone = torch.zeros_like(tokens, dtype=torch.bool)
+        backbone[:, 0] = True
+        pools.append((tokens, scores, parents, backbone))
+        if d == depth:
+            break
+        # The next frontier: the backbone child, then the best others; fed in one drafter forward.
+        best = torch.where(backbone, float("inf"), scores).topk(topk, dim=-1).indices  # (B, topk), backbone first
+        parent_slots = frontier_slots.gather(1, best // topk)
         m = slot_ancestors.size(1)
         inherited = slot_ancestors.gather(1, parent_slots.clamp(min=0)[..., None].expand(batch, topk, m))
-        inherited = inherited & (parent_slots >= 0)[..., None]
-        visible = torch.cat([inherited, torch.eye(topk, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)], 2)
+        inherited &= (parent_slots >= 0)[..., None]
+        own = torch.eye(topk, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)
+        visible = torch.cat([inherited, own], dim=2)
         slot_ancestors = torch.cat(
             [torch.cat([slot_ancestors, slot_ancestors.new_zeros((batch, m, topk))], dim=2), visible], dim=1
         )
-        logits = step(frontier_tokens, parent_slots, visible, d)  # (B, topk, V)
-        child_logq = process_logits(upcast_logits(logits), params)
-        child_scores, child_tokens = child_logq.topk(topk, dim=-1)  # (B, topk, topk)
-        child_scores = (frontier_scores[..., None] + child_scores).flatten(1)  # (B, topk^2)
-        child_tokens = child_tokens.flatten(1)
-        child_parents = frontier[..., None].expand(batch, topk, topk).flatten(1)
-        pool_tokens.append(child_tokens)
-        pool_scores.append(child_scores)
-        pool_parents.append(child_parents)
-        best = child_scores.topk(topk, dim=-1).indices  # (B, topk) the next frontier
-        frontier = pool_size + 1 + best
-        frontier_tokens, frontier_scores = child_tokens.gather(1, best), child_scores.gather(1, best)
-        parent_slots = m + best // topk  # the slot of each new frontier node's parent (fed this step)
-        pool_size += topk * topk
-    tokens, scores, parents = (torch.cat(x, dim=1) for x in (pool_tokens, pool_scores, pool_parents))
-    # Best `verify` nodes; the stable sort keeps a parent before a child of equal score, so the choice is a subtree.
-    keep = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :verify]
-    keep = keep.sort(dim=1).values  # pool order is topological
-    new_index = torch.zeros((batch, pool_size + 1), dtype=torch.long, device=device)
+        frontier_pool = pool_size + 1 + best
+        frontier_scores = scores.gather(1, best)
+        frontier_slots = m + torch.arange(topk, device=device)[None].expand(batch, topk)
+        logq = sample_draft_logprobs(step(tokens.gather(1, best), parent_slots, visible, d), params)
+        pool_size += tokens.size(1)
+    tokens, scores, parents, backbone = (torch.cat(x, dim=1) for x in zip(*pools, strict=True))
+    # The backbone, then the best others; the stable sort keeps a parent before a child of equal score.
+    keep = torch.sort(torch.where(backbone, float("inf"), scores), dim=1, descending=True, stable=True).indices
+    keep = keep[:, :verify].sort(dim=1).values  # pool order is topological
+    new_index = torch.zeros((batch, tokens.size(1) + 1), dtype=torch.long, device=device)
     new_index.scatter_(1, keep + 1, torch.arange(1, keep.size(1) + 1, device=device)[None].expand_as(keep))
-    kept_parents = new_index.gather(1, parents.gather(1, keep))
-    kept_scores = scores.gather(1, keep)
+    kept_backbone = backbone.gather(1, keep)
     return DraftTree(
-        token_ids=tokens.gather(1, keep), parents=kept_parents, valid=torch.isfinite(kept_scores)
+        token_ids=tokens.gather(1, keep),
+        parents=new_index.gather(1, parents.gather(1, keep)),
+        valid=torch.isfinite(scores.gather(1, keep)) | kept_backbone,
+        sampled=kept_backbone if params.do_sample else None,
+        probs=torch.stack(backbone_probs, dim=1) if params.do_sample else None,
     )

@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from ..kv_cache import RaggedKVModel
 from ..tree import DraftTree, draft_tree
 from .base import Draft, DraftContext, Drafter
-from .model import sample_draft
+from ..sampling import sample_draft
 
 
 WEIGHTS_NAME = "model.safetensors"
@@ -131,7 +131,8 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def repeat_kv(self, x):
-        return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        groups = self.num_heads // self.num_kv_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 class Eagle3Model(nn.Module):
@@ -429,6 +430,59 @@ def shift_left(x: torch.Tensor, j: int, fill) -> torch.Tensor:
     return torch.cat([x[:, j:], pad], dim=1)
 
 
+class _DraftSession:
+    """The drafter's forwards over draft positions during one `propose`: the committed cache is read, never written.
+
+    The hot path of drafting, kept lean: q/k/v in one fused matmul, RoPE for every draft depth computed once,
+    attention split into the committed cache (read in place, its holes masked) and the few draft positions fed
+    so far (held here), so no cache grows, is truncated or rebuilt a mask for at each draft step. Equal to
+    `Eagle3Model.forward` on the same inputs (tested).
+    """
+
+    def __init__(self, model: Eagle3Model, runner: RaggedKVModel, depth: int):
+        layer = model.midlayer
+        self.model, self.layer = model, layer
+        attn = layer.self_attn
+        self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        self.sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        cache = runner.cache.layers[0]
+        self.keys, self.values = layer.repeat_kv(cache.keys), layer.repeat_kv(cache.values)  # (B, h, T, d)
+        dtype = self.keys.dtype
+        self.cache_bias = torch.zeros(runner.attention_mask.shape, dtype=dtype, device=self.keys.device)
+        self.cache_bias = self.cache_bias.masked_fill(~runner.attention_mask, float("-inf"))[:, None, None]
+        positions = runner.lengths[:, None] + torch.arange(max(depth, 1), device=self.keys.device)[None]
+        self.cos, self.sin = model.rotary_emb(self.keys, positions)  # (B, depth, d): depth j's at index j - 1
+        self.local_keys = self.local_values = None  # (B, h, m, d) the draft positions fed so far
+        self.scale = 1.0 / math.sqrt(layer.head_dim)
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, depth: int, visible: torch.Tensor | None = None):
+        """Feed w draft positions per row at `depth` (1 = the root's children): tokens (B, w), the hidden states they
+        pair with (B, w, H), `visible` (B, w, m) over the draft positions fed (these last; None = all, a chain).
+        Returns policy-vocabulary logits (B, w, V) and the pre-norm outputs (B, w, H)."""
+        layer = self.layer
+        x = torch.cat([layer.input_layernorm(self.model.embed(input_ids).to(hidden.dtype)), layer.hidden_norm(hidden)], -1)
+        q, k, v = (x @ self.w_qkv.T).split(self.sizes, dim=-1)
+        shape = (*x.shape[:-1], -1, layer.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))  # (B, heads, w, d)
+        cos, sin = self.cos[:, depth - 1 : depth], self.sin[:, depth - 1 : depth]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = layer.repeat_kv(k), layer.repeat_kv(v)
+        if self.local_keys is None:
+            self.local_keys, self.local_values = k, v
+        else:
+            self.local_keys = torch.cat([self.local_keys, k], dim=2)
+            self.local_values = torch.cat([self.local_values, v], dim=2)
+        scores_cache = torch.matmul(q, self.keys.transpose(-1, -2)) * self.scale + self.cache_bias
+        scores_local = torch.matmul(q, self.local_keys.transpose(-1, -2)) * self.scale
+        if visible is not None:
+            scores_local = scores_local.masked_fill(~visible[:, None], float("-inf"))
+        probs = torch.softmax(torch.cat([scores_cache, scores_local], dim=-1), dim=-1)
+        committed = self.keys.size(2)
+        out = torch.matmul(probs[..., :committed], self.values) + torch.matmul(probs[..., committed:], self.local_values)
+        prenorm = layer.finish(out, hidden)
+        return self.model.to_policy_vocab(self.model.logits(prenorm)), prenorm
+
+
 class Eagle3Drafter(Drafter):
     """Plugs an `Eagle3Model` into the engine: catches up on the policy's hidden states, then drafts k tokens.
 
@@ -454,47 +508,37 @@ class Eagle3Drafter(Drafter):
         self._last = (logits, self.runner.hidden_states[0][:, -1])
         self._pending = fused.new_zeros((len(rows), 0, fused.size(-1)))
         self._pending_valid = torch.zeros((len(rows), 0), dtype=torch.bool, device=fused.device)
-        self._committed = None
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
-        if self._pending.size(1):
-            logits, prenorm = self._flush(ctx)
-        else:
-            logits, prenorm = self._last
-        self._committed = self.runner.lengths.clone()
+        logits, prenorm = self._flush(ctx) if self._pending.size(1) else self._last
+        session = _DraftSession(self.model, self.runner, k - 1)
         token_ids, probs = [], []
         for j in range(k):
             tokens, q = sample_draft(logits, ctx.params, ctx.generator)
             token_ids.append(tokens)
             probs.append(q)
             if j < k - 1:
-                ones = torch.ones_like(tokens[:, None], dtype=torch.bool)
-                logits = self.runner.extend(tokens[:, None], ones, hidden_states=prenorm[:, None])[:, 0]
-                prenorm = self.runner.hidden_states[0][:, 0]
+                logits, prenorm = session.step(tokens[:, None], prenorm[:, None], depth=j + 1)
+                logits, prenorm = logits[:, 0], prenorm[:, 0]
         num_tokens = torch.full((len(token_ids[0]),), k, dtype=torch.long, device=token_ids[0].device)
         return Draft(token_ids=torch.stack(token_ids, dim=1), num_tokens=num_tokens, probs=torch.stack(probs, dim=1))
 
     @torch.no_grad()
     def propose_tree(self, ctx: DraftContext, depth: int, topk: int, verify: int) -> DraftTree:
         """A draft tree (`trl_tlt.tree.draft_tree`): each expanded node is fed with its parent's pre-norm output."""
-        if self._pending.size(1):
-            logits, prenorm = self._flush(ctx)
-        else:
-            logits, prenorm = self._last
-        self._committed = self.runner.lengths.clone()
+        logits, prenorm = self._flush(ctx) if self._pending.size(1) else self._last
+        session = _DraftSession(self.model, self.runner, depth - 1)
         slots = prenorm[:, None]  # (B, 1 + m, H): the root's pre-norm output, then those of the m draft slots fed
 
         def step(tokens, parent_slots, visible, d):
             nonlocal slots
             hidden = slots.gather(1, (parent_slots + 1)[..., None].expand(-1, -1, slots.size(-1)))
-            positions = (self._committed + d - 1)[:, None].expand_as(tokens)
-            valid = torch.ones_like(tokens, dtype=torch.bool)
-            out = self.runner.extend_tree(tokens, valid, positions, visible, hidden_states=hidden)
-            slots = torch.cat([slots, self.runner.hidden_states[0]], dim=1)
+            out, prenorm = session.step(tokens, hidden, depth=d, visible=visible)
+            slots = torch.cat([slots, prenorm], dim=1)
             return out
 
-        return draft_tree(logits, step, ctx.params, depth, topk, verify)
+        return draft_tree(logits, step, ctx.params, depth, topk, verify, ctx.generator)
 
     def _flush(self, ctx: DraftContext):
         """Feed the pending (token t+1, hidden t) pairs; returns the last position's logits and pre-norm output."""
@@ -519,10 +563,7 @@ class Eagle3Drafter(Drafter):
 
     @torch.no_grad()
     def accept(self, ctx: DraftContext, num_accepted_tokens: torch.Tensor) -> None:
-        """After every policy forward: drop this step's drafts, queue the hidden states of the kept positions."""
-        if self._committed is not None:
-            self.runner.truncate(self._committed)
-            self._committed = None
+        """After every policy forward: queue the hidden states of the kept positions (drafting wrote no cache)."""
         fused = self.model.fuse(ctx.hidden_states)  # (B, k+1, H)
         kept = torch.arange(fused.size(1), device=fused.device)[None] <= num_accepted_tokens[:, None]
         pending = torch.cat([self._pending, fused], dim=1)

@@ -8,35 +8,13 @@ keeps verification exact because q is passed along). Rejected drafts are cut fro
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from transformers import PreTrainedModel
 
 from ..kv_cache import RaggedKVModel
-from ..sampling import SamplingParams, process_logits, upcast_logits
+from ..sampling import sample_draft
 from ..tree import DraftTree, draft_tree
 from .base import Draft, DraftContext, Drafter
-
-
-def sample_draft(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft tokens (B,) and q (B, V) from policy-vocabulary logits (B, V), float32 at least.
-
-    q may be any distribution (verification stays exact), so the repetition penalty, which needs the full
-    history, is skipped; greedy verification ignores q. A row whose distribution is not one (a drafter with NaN or
-    infinite weights) drafts from the uniform distribution instead, and says so through q: speculation then costs
-    speed, never correctness.
-    """
-    params = dataclasses.replace(params, repetition_penalty=1.0)
-    logprobs = process_logits(upcast_logits(logits), params)
-    probs = logprobs.exp()
-    broken = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))  # (B,)
-    if broken.any():
-        probs = torch.where(broken[:, None], torch.full_like(probs, 1.0 / probs.size(-1)), probs)
-        logprobs = probs.log()
-    if not params.do_sample:
-        return logprobs.argmax(dim=-1), probs
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
 
 
 class ModelDrafter(Drafter):
@@ -95,7 +73,7 @@ class ModelDrafter(Drafter):
             valid = torch.ones_like(tokens, dtype=torch.bool)
             return self._to_policy_vocab(self.runner.extend_tree(tokens, valid, positions, visible))
 
-        return draft_tree(root_logits, step, ctx.params, depth, topk, verify)
+        return draft_tree(root_logits, step, ctx.params, depth, topk, verify, ctx.generator)
 
     def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
         """Feed the policy's tokens not yet in the cache; returns the logits after the newest one (B, V_d)."""
