@@ -7,8 +7,9 @@ table and writes JSON.
 
 Completion lengths are random (sampling): the same prompt set gives each method completions of other lengths, so
 speed-ups are ratios of throughput (tokens generated per second), totalled over `--repeats` prompt sets per shape,
-every method on the same prompts back to back. The EAGLE-3 arm reported per shape is chosen on the even-numbered
-sets and measured on the odd-numbered ones (no selection bias in `spec_speedup_bs*`).
+every method on the same prompts back to back. The EAGLE-3 arm of `spec_speedup_bs*` is the fastest of that
+sweep; it is then measured again against speculation off on `--confirm` fresh prompt sets (a second round, so the
+figure carries no selection bias from picking the best of many noisy arms).
 
     python scripts/bench_rollout.py --output docs/benchmarks/rollout_cpu.json
 """
@@ -41,8 +42,8 @@ from trl_tlt.workload import (  # noqa: E402
 )
 
 
-CHAINS = (2, 3, 4, 5, 6)
-TREES = ((3, 2, 6), (4, 2, 8), (4, 3, 12), (5, 3, 12), (6, 3, 16), (6, 4, 24))
+CHAINS = (2, 3, 4, 5, 6, 8, 10)
+TREES = ((4, 2, 8), (6, 2, 10), (6, 3, 16), (6, 4, 24), (8, 4, 32), (10, 4, 40))
 
 
 def hf_generate(model, tokenizer, prompts, params: SamplingParams, seed: int) -> list[list[int]]:
@@ -87,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="1x1,2x4,8x8", help="prompts x generations per batch, comma-separated")
     parser.add_argument("--repeats", default="16,16,8", help="prompt sets per shape (one number, or one per shape)")
+    parser.add_argument("--confirm", default="32,32,8", help="fresh prompt sets per shape for the chosen arm")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the n-gram and draft-LM arms")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--cache-dir", default=None)
@@ -98,8 +100,10 @@ def main() -> None:
     shapes = args.shapes.split(",")
     repeats = [int(r) for r in args.repeats.split(",")]
     repeats = repeats * len(shapes) if len(repeats) == 1 else repeats
-    if len(repeats) != len(shapes) or min(repeats) < 2:
-        raise SystemExit("--repeats: one number >= 2, or one per shape.")
+    confirm = [int(r) for r in args.confirm.split(",")]
+    confirm = confirm * len(shapes) if len(confirm) == 1 else confirm
+    if len(repeats) != len(shapes) or len(confirm) != len(shapes) or min(repeats + confirm) < 1:
+        raise SystemExit("--repeats / --confirm: one number >= 1, or one per shape.")
 
     policy_path = build_policy(cache_dir=args.cache_dir)
     draft_path = build_draft_lm(cache_dir=args.cache_dir)
@@ -129,42 +133,47 @@ def main() -> None:
     for make in (methods["engine_no_spec"], methods["eagle3_k4"], methods["eagle3_tree_d4_t2_v8"]):
         make().generate(warm, SamplingParams(max_new_tokens=8))
 
-    per_shape = {}
-    counts = {m: {"accepted": 0, "drafts": 0, "emitted": 0, "verifies": 0} for m in methods}
-    for shape, num_sets in zip(shapes, repeats, strict=True):
-        num_prompts, num_generations = (int(x) for x in shape.split("x"))
-        times = {m: [] for m in methods}
-        set_tokens = {m: [] for m in methods}
-        accept = {m: [] for m in methods}
-        for repeat in range(num_sets):
+    counts = {m: {"accepted": 0, "drafts": 0} for m in methods}
+
+    def run_sets(names: list[str], num_prompts: int, num_generations: int, seeds: range, count: bool = True):
+        """Every method in `names` on each prompt set, back to back: seconds and tokens per set, acceptance lengths
+        (and, with `count`, accepted drafts into `counts`)."""
+        times = {m: [] for m in names}
+        set_tokens = {m: [] for m in names}
+        accept = {m: [] for m in names}
+        for repeat in seeds:
             data = make_dataset(num_prompts, seed=1000 + 17 * repeat + num_prompts)
             prompts = [p for p in prompt_token_ids(tokenizer, data["prompt"]) for _ in range(num_generations)]
-            for name, make in methods.items():  # interleaved: every method sees the same prompts back to back
-                seed = 10_000 * repeat + 7
+            for name in names:
+                make, seed = methods[name], 10_000 * repeat + 7
                 start = time.perf_counter()
                 if make is None:
                     completions = hf_generate(model, tokenizer, prompts, params, seed)
                 else:
                     out = make().generate(prompts, params, generator=torch.Generator().manual_seed(seed))
                     completions = out.completion_ids
-                    stats = out.stats
-                    accept[name].append(stats.mean_acceptance_length)
-                    counts[name]["accepted"] += stats.num_accepted_tokens
-                    counts[name]["drafts"] += stats.num_drafts
-                    counts[name]["emitted"] += stats.num_emitted_tokens
-                    counts[name]["verifies"] += stats.num_target_forwards
+                    accept[name].append(out.stats.mean_acceptance_length)
+                    if count:
+                        counts[name]["accepted"] += out.stats.num_accepted_tokens
+                        counts[name]["drafts"] += out.stats.num_drafts
                 times[name].append(time.perf_counter() - start)
                 set_tokens[name].append(sum(len(c) for c in completions))
+        return times, set_tokens, accept
+
+    per_shape = {}
+    for shape, num_sets, num_confirm in zip(shapes, repeats, confirm, strict=True):
+        num_prompts, num_generations = (int(x) for x in shape.split("x"))
+        times, set_tokens, accept = run_sets(list(methods), num_prompts, num_generations, range(num_sets))
         tokens = {m: sum(n) for m, n in set_tokens.items()}
         total = {m: sum(t) for m, t in times.items()}
         throughput = {m: tokens[m] / total[m] for m in methods}
-
-        def sets_throughput(method: str, parity: int) -> float:
-            return sum(set_tokens[method][parity::2]) / sum(times[method][parity::2])
-
-        # The EAGLE-3 arm: fastest on the even sets, measured on the odd ones against speculation off.
-        best = max(eagle, key=lambda m: sets_throughput(m, 0))
-        held_out = sets_throughput(best, 1) / sets_throughput("engine_no_spec", 1)
+        # The fastest EAGLE-3 arm of the sweep, measured again on fresh prompt sets against speculation off.
+        best = max(eagle, key=lambda m: throughput[m])
+        confirm_times, confirm_tokens, _ = run_sets(
+            ["engine_no_spec", best], num_prompts, num_generations, range(5000, 5000 + num_confirm), count=False
+        )
+        rate = {m: sum(confirm_tokens[m]) / sum(confirm_times[m]) for m in confirm_times}
+        confirmed = rate[best] / rate["engine_no_spec"]
         per_shape[shape] = {
             "batch_size": num_prompts * num_generations,
             "prompt_sets": num_sets,
@@ -175,11 +184,18 @@ def main() -> None:
             "mean_acceptance_length": {m: statistics.mean(a) for m, a in accept.items() if a},
             "speedup_vs_generate": {m: throughput[m] / throughput["generate"] for m in methods},
             "speedup_vs_no_spec": {m: throughput[m] / throughput["engine_no_spec"] for m in methods},
+            "seconds_per_set": times,
+            "tokens_per_set": set_tokens,
             "best_eagle3_arm": best,
-            "best_eagle3_speedup_vs_no_spec_held_out": held_out,
+            "best_eagle3_speedup_vs_no_spec_confirmed": confirmed,
+            "confirm_prompt_sets": num_confirm,
+            "confirm_seconds_per_set": confirm_times,
+            "confirm_tokens_per_set": confirm_tokens,
         }
         print(f"\n== {shape} (batch {num_prompts * num_generations}), totals over {num_sets} prompt sets ==")
-        print(f"{'method':<28}{'seconds':>9}{'tokens':>8}{'tok/s':>8}{'vs generate':>13}{'vs no-spec':>12}{'acc len':>9}")
+        print(
+            f"{'method':<28}{'seconds':>9}{'tokens':>8}{'tok/s':>8}{'vs generate':>13}{'vs no-spec':>12}{'acc len':>9}"
+        )
         row = per_shape[shape]
         for m in methods:
             acc = row["mean_acceptance_length"].get(m)
@@ -188,7 +204,7 @@ def main() -> None:
                 f"{row['speedup_vs_generate'][m]:>12.2f}x{row['speedup_vs_no_spec'][m]:>11.2f}x"
                 f"{'' if acc is None else f'{acc:.2f}':>9}"
             )
-        print(f"best EAGLE-3 arm (even sets): {best}; on the odd sets {held_out:.2f}x vs speculation off")
+        print(f"fastest EAGLE-3 arm: {best}; on {num_confirm} fresh prompt sets {confirmed:.2f}x vs speculation off")
 
     # Acceptance over every run: accepted draft tokens per verification, the best tree vs the chain of its depth.
     accepted_per_verify = {m: c["accepted"] / c["drafts"] for m, c in counts.items() if c["drafts"]}
@@ -201,8 +217,8 @@ def main() -> None:
     drafters = ["engine_ngram", "engine_draft_lm", *eagle]
     best = max(drafters, key=lambda m: grpo["speedup_vs_no_spec"][m])
 
-    def held_out_speedup(shape: str) -> float | None:
-        return per_shape[shape]["best_eagle3_speedup_vs_no_spec_held_out"] if shape in per_shape else None
+    def confirmed_speedup(shape: str) -> float | None:
+        return per_shape[shape]["best_eagle3_speedup_vs_no_spec_confirmed"] if shape in per_shape else None
 
     result = {
         "benchmark": "rollout",
@@ -214,9 +230,10 @@ def main() -> None:
         "sampling": f"temperature 1.0, no top-k/top-p, max_new_tokens {args.max_new_tokens}",
         "num_speculative_tokens": k,
         "repeats": dict(zip(shapes, repeats, strict=True)),
-        "spec_speedup_bs1": held_out_speedup("1x1"),
-        "spec_speedup_bs8": held_out_speedup("2x4"),
-        "spec_speedup_bs64": held_out_speedup("8x8"),
+        "confirm": dict(zip(shapes, confirm, strict=True)),
+        "spec_speedup_bs1": confirmed_speedup("1x1"),
+        "spec_speedup_bs8": confirmed_speedup("2x4"),
+        "spec_speedup_bs64": confirmed_speedup("8x8"),
         "tree_over_chain_acceptance": accepted_per_verify[best_tree] / accepted_per_verify[chain],
         "tree_over_chain_acceptance_length": acceptance_length[best_tree] / acceptance_length[chain],
         "best_tree": best_tree,
@@ -230,7 +247,7 @@ def main() -> None:
         "per_batch_size": per_shape,
     }
     print(
-        f"\nspec-on / spec-off (EAGLE-3, held-out sets): batch 1 {result['spec_speedup_bs1']}, batch 8 "
+        f"\nspec-on / spec-off (fastest EAGLE-3 arm, confirmed on fresh sets): batch 1 {result['spec_speedup_bs1']}, batch 8 "
         f"{result['spec_speedup_bs8']}, batch 64 {result['spec_speedup_bs64']}\n"
         f"accepted tokens per verify: best tree {best_tree} {accepted_per_verify[best_tree]:.2f} vs {chain} "
         f"{accepted_per_verify[chain]:.2f} ({result['tree_over_chain_acceptance']:.2f}x; acceptance length "

@@ -128,7 +128,9 @@ def test_draft_session_equals_cached_inference(policy64, draft_vocab_size):
     torch.testing.assert_close(lean1, ref1)
     visible = torch.tensor([[False, True, True, False], [False, True, False, True]]).expand(2, 2, 4)
     h2 = runner.hidden_states[0][:, 1:2].expand(2, 2, 64)
-    ref2 = runner.extend_tree(level2, torch.ones(2, 2, dtype=torch.bool), base.expand(2, 2) + 1, visible, hidden_states=h2)
+    ref2 = runner.extend_tree(
+        level2, torch.ones(2, 2, dtype=torch.bool), base.expand(2, 2) + 1, visible, hidden_states=h2
+    )
     lean2, _ = session.step(level2, h2, depth=2, visible=visible)
     torch.testing.assert_close(lean2, ref2)
 

@@ -38,7 +38,8 @@ class GenerationStats:
     """Counters of one `generate` call (names as in vLLM's spec-decode metrics).
 
     `mean_acceptance_length` = 1 + num_accepted_tokens / num_drafts: tokens emitted per speculative row-step,
-    bonus included. `active_batch_sizes[i]`, `num_speculative_tokens[i]`, `drafter_names[i]`,
+    bonus included. For a tree step, `num_draft_tokens` counts the nodes verified and `num_accepted_tokens` the
+    accepted path's length. `active_batch_sizes[i]`, `num_speculative_tokens[i]`, `drafter_names[i]`,
     `step_emitted_tokens[i]` and `step_seconds[i]` describe decode step i.
     """
 
@@ -49,6 +50,7 @@ class GenerationStats:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     num_invalid_drafts: int = 0  # row-steps whose draft was dropped: token out of range, or q not a distribution
+    num_tree_steps: int = 0  # decode steps that verified a draft tree
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     active_batch_sizes: list[int] = field(default_factory=list)
     num_speculative_tokens: list[int] = field(default_factory=list)
@@ -321,6 +323,7 @@ class SpeculativeEngine:
             stats.verify_s += time.perf_counter() - verify_start
 
             stats.num_target_forwards += 1
+            stats.num_tree_steps += tree is not None
             stats.num_emitted_tokens += emitted
             stats.active_batch_sizes.append(active)
             stats.num_speculative_tokens.append(k)
@@ -356,10 +359,14 @@ class SpeculativeEngine:
         logits = policy.extend_tree(tokens, valid, positions, ancestors)  # (B, N+1, V)
         step_seen = None
         if seen is not None:  # tokens seen before a node: the context and its path (root included)
-            one_hot = torch.zeros((*tokens.shape, seen.size(1)), device=seen.device).scatter_(2, tokens[..., None], 1.0)
+            one_hot = torch.zeros((*tokens.shape, seen.size(1)), device=seen.device).scatter_(
+                2, tokens[..., None], 1.0
+            )
             step_seen = seen[:, None, :] | (ancestors.float() @ one_hot > 0)
         logp = process_logits(upcast_logits(logits), params, step_seen)
-        path, num_accepted, next_tokens, emitted_lp = verify_tree(logp, tree, depths, max_depth, params.do_sample, generator)
+        path, num_accepted, next_tokens, emitted_lp = verify_tree(
+            logp, tree, depths, max_depth, params.do_sample, generator
+        )
         depth = path.size(1)
         on_path = torch.arange(depth, device=path.device)[None] < num_accepted[:, None]
         order = torch.cat([torch.zeros_like(last), torch.where(on_path, path, 0)], dim=1)  # (B, D+1) kept indices

@@ -98,7 +98,12 @@ class RaggedKVModel:
 
     @torch.no_grad()
     def extend_tree(
-        self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, visible: torch.Tensor, **model_kwargs
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        position_ids: torch.Tensor,
+        visible: torch.Tensor,
+        **model_kwargs,
     ) -> torch.Tensor:
         """Append n positions that attend by `visible` among the last m cache slots (tree attention).
 

@@ -41,7 +41,7 @@ from .config import TLTConfig
 from .drafter_training import DistillConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.eagle3 import Eagle3Drafter, Eagle3Model
-from .engine import Arm, FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine
+from .engine import Arm, FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine, tree_arm
 from .kv_cache import ragged_cache_mismatch, unsupported_architecture
 from .micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
 from .sampling import SamplingParams
@@ -389,14 +389,17 @@ class TLTGRPOTrainer(GRPOTrainer):
         if self.args.speculative_selector == "fixed":
             return FixedSpeculation(k_max, "default")
         arms = [("default", k) for k in (1, 2, 3, 4, 6, 8) if k <= k_max] + [("default", k_max)]
+        if self.args.speculative_trees and hasattr(self.tlt_drafter, "propose_tree"):
+            arms += [tree_arm("default", k_max, topk, topk * k_max) for topk in (2, 4)]
         cost_model = self._modelled_step_cost() if self.args.selector_deterministic else None
         return BanditSpeculation(
             arms=arms, epsilon=self.args.selector_epsilon, seed=self.args.seed, cost_model=cost_model
         )
 
     def _modelled_step_cost(self):
-        """Cost of a decode step in policy forwards: 1 (the verification, which scores all k+1 positions at once, as
-        a memory-bound forward does) + k drafter forwards, each weighted by the drafter's share of the parameters."""
+        """Cost of a decode step in policy forwards: 1 (the verification, which scores all k+1 positions, or all of a
+        tree's nodes, at once, as a memory-bound forward does) + k drafter forwards (a tree's depth), each weighted by
+        the drafter's share of the parameters."""
         drafter = self._trainable_drafter()
         policy = self.accelerator.unwrap_model(self.model)
         ratio = 0.0 if drafter is None else _num_parameters(drafter) / _num_parameters(policy)
@@ -557,6 +560,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             "tlt/mean_acceptance_length": stats.mean_acceptance_length,
             "tlt/draft_acceptance_rate": stats.draft_acceptance_rate,
             "tlt/spec_step_fraction": speculated / steps,
+            "tlt/tree_step_fraction": stats.num_tree_steps / steps,
             "tlt/num_decode_steps": float(len(stats.active_batch_sizes)),
             "tlt/rollout_seconds": stats.total_s,
             "tlt/rollout_tokens_per_second": stats.num_emitted_tokens / max(stats.total_s, 1e-9),

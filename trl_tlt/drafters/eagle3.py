@@ -30,9 +30,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from ..kv_cache import RaggedKVModel
+from ..sampling import sample_draft
 from ..tree import DraftTree, draft_tree
 from .base import Draft, DraftContext, Drafter
-from ..sampling import sample_draft
 
 
 WEIGHTS_NAME = "model.safetensors"
@@ -460,7 +460,9 @@ class _DraftSession:
         pair with (B, w, H), `visible` (B, w, m) over the draft positions fed (these last; None = all, a chain).
         Returns policy-vocabulary logits (B, w, V) and the pre-norm outputs (B, w, H)."""
         layer = self.layer
-        x = torch.cat([layer.input_layernorm(self.model.embed(input_ids).to(hidden.dtype)), layer.hidden_norm(hidden)], -1)
+        x = torch.cat(
+            [layer.input_layernorm(self.model.embed(input_ids).to(hidden.dtype)), layer.hidden_norm(hidden)], -1
+        )
         q, k, v = (x @ self.w_qkv.T).split(self.sizes, dim=-1)
         shape = (*x.shape[:-1], -1, layer.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))  # (B, heads, w, d)
@@ -478,7 +480,9 @@ class _DraftSession:
             scores_local = scores_local.masked_fill(~visible[:, None], float("-inf"))
         probs = torch.softmax(torch.cat([scores_cache, scores_local], dim=-1), dim=-1)
         committed = self.keys.size(2)
-        out = torch.matmul(probs[..., :committed], self.values) + torch.matmul(probs[..., committed:], self.local_values)
+        out = torch.matmul(probs[..., :committed], self.values) + torch.matmul(
+            probs[..., committed:], self.local_values
+        )
         prenorm = layer.finish(out, hidden)
         return self.model.to_policy_vocab(self.model.logits(prenorm)), prenorm
 

@@ -97,7 +97,9 @@ class ModelDrafter(Drafter):
         # none of a tree's (its accepted path is fed again with the policy's tokens at the next step).
         if self._step_start is not None:
             k_fed = self.runner.lengths - self._step_start
-            kept = torch.zeros_like(k_fed) if self._tree else torch.minimum(num_accepted_tokens.to(k_fed.device), k_fed)
+            kept = (
+                torch.zeros_like(k_fed) if self._tree else torch.minimum(num_accepted_tokens.to(k_fed.device), k_fed)
+            )
             self.runner.truncate(self._step_start + kept)
             self._step_start = None
             self._tree = False
