@@ -104,6 +104,17 @@ def test_draft_session_equals_cached_inference(policy64, draft_vocab_size):
         runner.truncate(runner.lengths - 1)  # a hole in each row
         return runner
 
+    # Committing ragged positions (the flush of the policy's accepted tokens) == runner.extend.
+    runner, lean = runner_with_hole(), runner_with_hole()
+    ids, valid = torch.tensor([[9, 10, 11], [12, 13, 0]]), torch.tensor([[True, True, True], [True, True, False]])
+    pending = torch.randn(2, 3, 64, generator=g, dtype=torch.float64)
+    reference = runner.extend(ids, valid, hidden_states=pending)
+    logits, prenorm = _DraftSession.commit(head, lean, ids, pending, valid)
+    torch.testing.assert_close(logits, reference[[0, 1], [2, 1]])
+    torch.testing.assert_close(prenorm, runner.hidden_states[0][[0, 1], [2, 1]])
+    torch.testing.assert_close(lean.cache.layers[0].keys, runner.cache.layers[0].keys)
+    assert torch.equal(lean.attention_mask, runner.attention_mask) and torch.equal(lean.lengths, runner.lengths)
+
     tokens = torch.randint(3, 200, (2, 3), generator=g)
     h0 = torch.randn(2, 1, 64, generator=g, dtype=torch.float64)
     runner, session = runner_with_hole(), None

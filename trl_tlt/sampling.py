@@ -83,7 +83,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if not params.do_sample:
         return torch.log_softmax(logits, dim=-1)
-    logits = logits / params.temperature
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.size(-1)), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -455,6 +455,34 @@ class _DraftSession:
         self.local_keys = self.local_values = None  # (B, h, m, d) the draft positions fed so far
         self.scale = 1.0 / math.sqrt(layer.head_dim)
 
+    @staticmethod
+    def commit(model: Eagle3Model, runner: RaggedKVModel, input_ids, hidden, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append n positions per row to the committed cache (tokens (B, n), hidden states (B, n, H), `valid` (B, n)
+        marks real ones, left-aligned), as `runner.extend` does with `Eagle3Model.forward`, with fewer operations.
+        Returns the policy-vocabulary logits (B, V) and pre-norm output (B, H) of each row's last valid position."""
+        layer, attn = model.midlayer, model.midlayer.self_attn
+        positions = (runner.lengths[:, None] + valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        x = torch.cat([layer.input_layernorm(model.embed(input_ids).to(hidden.dtype)), layer.hidden_norm(hidden)], -1)
+        w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        shape = (*x.shape[:-1], -1, layer.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (x @ w_qkv.T).split(sizes, dim=-1))
+        cos, sin = model.rotary_emb(hidden, positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys, values = runner.cache.update(k, v, 0)
+        older = runner.attention_mask
+        batch, n = valid.shape
+        runner.attention_mask = torch.cat([older, valid], dim=1)
+        runner.lengths = runner.lengths + valid.sum(dim=1)
+        eye = torch.eye(n, dtype=torch.bool, device=valid.device)
+        causal = torch.ones((n, n), dtype=torch.bool, device=valid.device).tril() & valid[:, None, :] | eye
+        allowed = torch.cat([older[:, None, :].expand(batch, n, -1), causal], dim=2)[:, None]  # (B, 1, n, T)
+        out = F.scaled_dot_product_attention(q, layer.repeat_kv(keys), layer.repeat_kv(values), attn_mask=allowed)
+        prenorm = layer.finish(out, hidden)
+        last = (n - 1 - valid.flip(1).int().argmax(1))[:, None, None]  # last valid index per row
+        prenorm = prenorm.gather(1, last.expand(-1, 1, prenorm.size(-1))).squeeze(1)
+        return model.to_policy_vocab(model.logits(prenorm)), prenorm
+
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, depth: int, visible: torch.Tensor | None = None):
         """Feed w draft positions per row at `depth` (1 = the root's children): tokens (B, w), the hidden states they
         pair with (B, w, H), `visible` (B, w, m) over the draft positions fed (these last; None = all, a chain).
@@ -556,11 +584,7 @@ class Eagle3Drafter(Drafter):
         ]
         input_ids = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
         input_ids[valid] = torch.tensor(tokens, dtype=torch.long, device=valid.device)
-        logits = self.runner.extend(input_ids, valid, hidden_states=self._pending)
-        prenorm = self.runner.hidden_states[0]
-        last = (valid.size(1) - 1 - valid.flip(1).int().argmax(1))[:, None]  # last valid index per row
-        logits = logits.gather(1, last[..., None].expand(-1, 1, logits.size(-1))).squeeze(1)
-        prenorm = prenorm.gather(1, last[..., None].expand(-1, 1, prenorm.size(-1))).squeeze(1)
+        logits, prenorm = _DraftSession.commit(self.model, self.runner, input_ids, self._pending, valid)
         self._pending = self._pending[:, :0]
         self._pending_valid = self._pending_valid[:, :0]
         return logits, prenorm
