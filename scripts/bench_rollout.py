@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="1x1,2x4,8x8", help="prompts x generations per batch, comma-separated")
     parser.add_argument("--repeats", default="16,16,8", help="prompt sets per shape (one number, or one per shape)")
-    parser.add_argument("--confirm", default="32,32,8", help="fresh prompt sets per shape for the chosen arm")
+    parser.add_argument("--confirm", default="32,32,24", help="fresh prompt sets per shape for the chosen arm")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the n-gram and draft-LM arms")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--cache-dir", default=None)

@@ -292,6 +292,7 @@ def test_every_tlt_field_is_validated():
         "drafter_model_name_or_path",  # checked when the drafter is loaded (test_bad_drafters_...)
         "spot_training",  # a bool or None
         "selector_deterministic",  # a bool
+        "speculative_trees",  # a bool; no tree arms where none can be drafted (n-gram, vLLM), as documented
     }
     tlt_fields = {f.name for f in dataclasses.fields(TLTConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
     covered = {name for fields, _ in INVALID_CONFIGS for name in fields}

@@ -68,8 +68,11 @@ PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=["temp0.7-topk5", "temp1.3-topp0.6-rep1.3"])
-@pytest.mark.parametrize("drafter_name", ["model", "eagle3"])
+@pytest.mark.parametrize(
+    ("drafter_name", "params"),
+    [("model", PARAMS[0]), ("model", PARAMS[1]), ("eagle3", PARAMS[0])],
+    ids=["model-temp0.7-topk5", "model-temp1.3-topp0.6-rep1.3", "eagle3-temp0.7-topk5"],
+)
 def test_tree_sampling_reproduces_policy_distribution(tokenizer, params, drafter_name, monkeypatch):
     model = peaked_model(tokenizer)
     prompt = [11, 12, 13, 11, 12]
