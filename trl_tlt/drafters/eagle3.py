@@ -456,7 +456,9 @@ class _DraftSession:
         self.scale = 1.0 / math.sqrt(layer.head_dim)
 
     @staticmethod
-    def commit(model: Eagle3Model, runner: RaggedKVModel, input_ids, hidden, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    def commit(
+        model: Eagle3Model, runner: RaggedKVModel, input_ids, hidden, valid
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append n positions per row to the committed cache (tokens (B, n), hidden states (B, n, H), `valid` (B, n)
         marks real ones, left-aligned), as `runner.extend` does with `Eagle3Model.forward`, with fewer operations.
         Returns the policy-vocabulary logits (B, V) and pre-norm output (B, H) of each row's last valid position."""
