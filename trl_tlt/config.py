@@ -35,11 +35,13 @@ class TLTConfig(GRPOConfig):
             batch size.
         selector_epsilon (`float`, *optional*, defaults to `0.1`):
             Exploration probability of the bandit.
-        speculative_trees (`bool`, *optional*, defaults to `True`):
+        speculative_trees (`bool`, *optional*, defaults to `False`):
             With the bandit selector and a drafter that drafts trees (`"eagle3"`, `"model"`): the bandit also plays
             two tree arms of depth `num_speculative_tokens` (top-k 2 and 4, verifying 2x and 4x as many nodes: a
             sampled chain plus side branches, one policy forward; see docs/engine.md), and keeps them in the batch
-            sizes where they emit more tokens per second than chains. trl-tlt's engine only (vLLM drafts chains).
+            sizes where they emit more tokens per second than chains. Off by default: on 2 CPU cores trees never beat
+            chains and exploring them cost 2-8% of rollout throughput; where verification is memory-bound (GPUs)
+            they may pay (`scripts/gpu_check_tree.py` measures it). trl-tlt's engine only (vLLM drafts chains).
         selector_deterministic (`bool`, *optional*, defaults to `False`):
             Reward the bandit with a modelled step cost (one policy forward plus k drafter forwards, weighted by
             parameter count) instead of the step's wall time. Its choices, and so the completions, then depend only on
@@ -105,7 +107,7 @@ class TLTConfig(GRPOConfig):
     )
     selector_epsilon: float = field(default=0.1, metadata={"help": "Exploration probability of the bandit selector."})
     speculative_trees: bool = field(
-        default=True,
+        default=False,
         metadata={"help": "Bandit selector: also play tree arms (depth num_speculative_tokens, top-k 2 and 4)."},
     )
     selector_deterministic: bool = field(
