@@ -154,13 +154,18 @@ def main() -> None:
         "greedy_identity": greedy_identity(model, head, tokenizer, device, 16 if args.smoke else 64),
         "spec_on_over_off": throughput(model, head, tokenizer, device, shapes, 1 if args.smoke else 6, max_new),
     }
-    if not args.no_compile:
-        result["draft_step"] = draft_step_timing(model, head, device, 5 if args.smoke else 200)
     print(f"device: {result['device']}")
     print(f"greedy identity (chain, trees; batch 1/5/16): {result['greedy_identity']}")
     print(f"{'spec-on / spec-off':<20}" + "".join(f"{name:>14}" for name in ARMS))
     for shape, row in result["spec_on_over_off"].items():
         print(f"{'batch ' + shape:<20}" + "".join(f"{row[name]:>13.2f}x" for name in ARMS))
+    write_json(result, args.output)  # the figures so far, should the compile stage fail
+    if not args.no_compile:
+        try:
+            result["draft_step"] = draft_step_timing(model, head, device, 5 if args.smoke else 200)
+        except Exception as error:  # a failed capture is a finding of this check, not the end of it
+            result["draft_step_error"] = f"{type(error).__name__}: {error}"
+            print(f"draft step compile failed: {result['draft_step_error']}")
     if "draft_step" in result:
         d = result["draft_step"]
         print(
