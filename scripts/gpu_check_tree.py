@@ -51,9 +51,9 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def greedy_identity(model, head, tokenizer, device, max_new_tokens) -> bool:
+def greedy_identity(model, eagle_path, tokenizer, device, max_new_tokens) -> bool:
     model64 = model.to(torch.float64)
-    head64 = Eagle3Model.from_pretrained(head.path, model64).to(torch.float64)
+    head64 = Eagle3Model.from_pretrained(eagle_path, model64).to(torch.float64)
     prompts = prompt_token_ids(tokenizer, make_dataset(16, seed=7)["prompt"])
     eos = tokenizer.eos_token_id
     expected = []
@@ -144,14 +144,13 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     model = AutoModelForCausalLM.from_pretrained(policy_path).to(device).eval()
     head = Eagle3Model.from_pretrained(eagle_path, model).eval()
-    head.path = eagle_path
 
     shapes = ["1x1", "2x4"] if args.smoke else ["1x1", "2x4", "8x8"]
     max_new = 24 if args.smoke else 512
     result = {
         "check": "gpu_check_tree",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else machine(),
-        "greedy_identity": greedy_identity(model, head, tokenizer, device, 16 if args.smoke else 64),
+        "greedy_identity": greedy_identity(model, eagle_path, tokenizer, device, 16 if args.smoke else 64),
         "spec_on_over_off": throughput(model, head, tokenizer, device, shapes, 1 if args.smoke else 6, max_new),
     }
     print(f"device: {result['device']}")

@@ -303,7 +303,6 @@ class SpeculativeEngine:
                 draft_ids, num_accepted, next_tokens, emitted_lp = self._verify_tree(
                     policy, tree, ancestors, depths, last, seen, params, generator
                 )
-                ctx.hidden_states = policy.hidden_states
             else:
                 valid = torch.arange(k + 1, device=device)[None, :] < (num_drafts + 1)[:, None]  # (B, k+1)
                 lengths_before = policy.lengths
@@ -314,7 +313,7 @@ class SpeculativeEngine:
                     logp, draft_ids, num_drafts, draft_probs, params.do_sample, generator
                 )
                 policy.truncate(lengths_before + 1 + num_accepted)
-                ctx.hidden_states = policy.hidden_states
+            ctx.hidden_states = policy.hidden_states
             keep, emitted = self._emit(
                 ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params
             )

@@ -152,9 +152,9 @@ def verify_tree(
     else:
         x = target_logprobs.argmax(dim=-1)  # (B, N+1)
     index = torch.arange(n_plus_1, device=device)
-    accepted_child = None
     sampled = None if tree.sampled is None else tree.sampled & tree.valid
-    if do_sample and sampled is not None and sampled.any():
+    has_backbone = do_sample and sampled is not None and bool(sampled.any())
+    if has_backbone:
         # Backbone node at depth j (the root for j = 0): test its sampled child, else draw from the residual.
         levels = tree.probs.size(1)
         child = torch.zeros((batch, levels + 1), dtype=torch.long, device=device)
@@ -171,16 +171,15 @@ def verify_tree(
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # round-off guard
         drawn = sample_inverse_cdf(residual.flatten(0, 1), uniforms[..., 1].gather(1, parent).flatten())
         drawn = torch.where(accept, main, drawn.view(batch, levels))
-        accepted_child = child
         spill = torch.where(has, parent, n_plus_1)  # rows without a backbone node write past the end
         x = torch.cat([x, x[:, :1]], dim=1).scatter(1, spill, drawn)[:, :-1]
     # next_index[n]: the child of n holding x[n], 0 = none (the walk stops at n and emits x[n]).
     children = tree.valid[:, None, :] & (tree.parents[:, None, :] == index[None, :, None])  # (B, N+1, N)
     match = children & (tree.token_ids[:, None, :] == x[..., None])
     next_index = torch.where(match.any(dim=2), match.int().argmax(dim=2) + 1, 0)  # (B, N+1)
-    if accepted_child is not None:  # an accepted backbone token moves to the sampled child, not to a twin
-        accepted_child = torch.where(accept, child, next_index.gather(1, parent))
-        next_index = torch.cat([next_index, next_index[:, :1]], dim=1).scatter(1, spill, accepted_child)[:, :-1]
+    if has_backbone:  # an accepted backbone token moves to the sampled child, not to a twin
+        following = torch.where(accept, child, next_index.gather(1, parent))
+        next_index = torch.cat([next_index, next_index[:, :1]], dim=1).scatter(1, spill, following)[:, :-1]
     x_logprobs = target_logprobs.gather(2, x[..., None]).squeeze(2)  # (B, N+1)
 
     node = torch.zeros(batch, dtype=torch.long, device=device)

@@ -430,6 +430,22 @@ def shift_left(x: torch.Tensor, j: int, fill) -> torch.Tensor:
     return torch.cat([x[:, j:], pad], dim=1)
 
 
+def _fused_qkv_weight(layer: Eagle3Layer) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The q, k, v projections stacked into one weight, and their output sizes."""
+    attn = layer.self_attn
+    weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    return weight, (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+
+
+def _project_qkv(model: Eagle3Model, input_ids, hidden, fused) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`Eagle3Layer.qkv` before RoPE, in one matmul with the `fused` weight: q, k, v (B, heads, n, d)."""
+    layer = model.midlayer
+    x = torch.cat([layer.input_layernorm(model.embed(input_ids).to(hidden.dtype)), layer.hidden_norm(hidden)], -1)
+    weight, sizes = fused
+    shape = (*x.shape[:-1], -1, layer.head_dim)
+    return tuple(t.view(shape).transpose(1, 2) for t in (x @ weight.T).split(sizes, dim=-1))
+
+
 class _DraftSession:
     """The drafter's forwards over draft positions during one `propose`: the committed cache is read, never written.
 
@@ -442,9 +458,7 @@ class _DraftSession:
     def __init__(self, model: Eagle3Model, runner: RaggedKVModel, depth: int):
         layer = model.midlayer
         self.model, self.layer = model, layer
-        attn = layer.self_attn
-        self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        self.sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        self.fused = _fused_qkv_weight(layer)
         cache = runner.cache.layers[0]
         self.keys, self.values = layer.repeat_kv(cache.keys), layer.repeat_kv(cache.values)  # (B, h, T, d)
         dtype = self.keys.dtype
@@ -462,13 +476,9 @@ class _DraftSession:
         """Append n positions per row to the committed cache (tokens (B, n), hidden states (B, n, H), `valid` (B, n)
         marks real ones, left-aligned), as `runner.extend` does with `Eagle3Model.forward`, with fewer operations.
         Returns the policy-vocabulary logits (B, V) and pre-norm output (B, H) of each row's last valid position."""
-        layer, attn = model.midlayer, model.midlayer.self_attn
+        layer = model.midlayer
         positions = (runner.lengths[:, None] + valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        x = torch.cat([layer.input_layernorm(model.embed(input_ids).to(hidden.dtype)), layer.hidden_norm(hidden)], -1)
-        w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
-        shape = (*x.shape[:-1], -1, layer.head_dim)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (x @ w_qkv.T).split(sizes, dim=-1))
+        q, k, v = _project_qkv(model, input_ids, hidden, _fused_qkv_weight(layer))
         cos, sin = model.rotary_emb(hidden, positions)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys, values = runner.cache.update(k, v, 0)
@@ -490,12 +500,7 @@ class _DraftSession:
         pair with (B, w, H), `visible` (B, w, m) over the draft positions fed (these last; None = all, a chain).
         Returns policy-vocabulary logits (B, w, V) and the pre-norm outputs (B, w, H)."""
         layer = self.layer
-        x = torch.cat(
-            [layer.input_layernorm(self.model.embed(input_ids).to(hidden.dtype)), layer.hidden_norm(hidden)], -1
-        )
-        q, k, v = (x @ self.w_qkv.T).split(self.sizes, dim=-1)
-        shape = (*x.shape[:-1], -1, layer.head_dim)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))  # (B, heads, w, d)
+        q, k, v = _project_qkv(self.model, input_ids, hidden, self.fused)  # (B, heads, w, d)
         cos, sin = self.cos[:, depth - 1 : depth], self.sin[:, depth - 1 : depth]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = layer.repeat_kv(k), layer.repeat_kv(v)
