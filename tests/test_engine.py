@@ -190,6 +190,22 @@ class LyingDrafter(ModelDrafter):
         return Draft(draft.token_ids, draft.num_tokens, torch.full_like(draft.probs, 1.0 / draft.probs.size(-1)))
 
 
+SAMPLED_PROMPT = [11, 12, 13, 11, 12]
+NUM_SAMPLES = 8000
+
+
+def sampling_case(tokenizer, params, drafter_name, length):
+    """The chi-square set-up: a peaked policy, the exact distribution of its first `length` tokens after
+    SAMPLED_PROMPT, and a drafter: a perturbed twin ("model"), a random EAGLE-3 head ("eagle3") or the twin drafting
+    its argmax ("deterministic")."""
+    model = peaked_model(tokenizer)
+    expected = exact_sequence_distribution(model, SAMPLED_PROMPT, params, length=length)
+    if drafter_name == "eagle3":
+        return model, expected, make_drafter("eagle3", model, tokenizer)
+    cls = ModelDrafter if drafter_name == "model" else ArgmaxDrafter
+    return model, expected, cls(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -200,17 +216,9 @@ class LyingDrafter(ModelDrafter):
 )
 @pytest.mark.parametrize("drafter_name", ["model", "deterministic", "eagle3"])
 def test_speculative_sampling_reproduces_policy_distribution(tokenizer, params, drafter_name):
-    model = peaked_model(tokenizer)
-    prompt = [11, 12, 13, 11, 12]
-    num_samples = 8000
     # Token 1 comes from the prefill; tokens 2-3 from one speculative step (the budget leaves room for 1 draft).
-    expected = exact_sequence_distribution(model, prompt, params, length=3)
-    if drafter_name == "model":
-        drafter = ModelDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
-    elif drafter_name == "eagle3":
-        drafter = make_drafter("eagle3", model, tokenizer)
-    else:
-        drafter = ArgmaxDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
+    model, expected, drafter = sampling_case(tokenizer, params, drafter_name, length=3)
+    prompt, num_samples = SAMPLED_PROMPT, NUM_SAMPLES
     engine = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=3)
     out = engine.generate([prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234))
     samples = [tuple(c) for c in out.completion_ids]

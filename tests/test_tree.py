@@ -8,12 +8,14 @@ import pytest
 import torch
 from test_engine import (
     EOS,
+    NUM_SAMPLES,
+    SAMPLED_PROMPT,
     chi_square_pvalue,
-    exact_sequence_distribution,
     hf_greedy,
     make_drafter,
     peaked_model,
     random_prompts,
+    sampling_case,
 )
 
 import trl_tlt.engine as engine_module
@@ -74,15 +76,9 @@ PARAMS = [
     ids=["model-temp0.7-topk5", "model-temp1.3-topp0.6-rep1.3", "eagle3-temp0.7-topk5"],
 )
 def test_tree_sampling_reproduces_policy_distribution(tokenizer, params, drafter_name, monkeypatch):
-    model = peaked_model(tokenizer)
-    prompt = [11, 12, 13, 11, 12]
-    num_samples = 8000
     # Token 1 comes from the prefill; tokens 2-4 from one tree step (the budget allows paths of depth 2).
-    expected = exact_sequence_distribution(model, prompt, params, length=4)
-    if drafter_name == "model":
-        drafter = ModelDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
-    else:
-        drafter = make_drafter("eagle3", model, tokenizer)
+    model, expected, drafter = sampling_case(tokenizer, params, drafter_name, length=4)
+    prompt, num_samples = SAMPLED_PROMPT, NUM_SAMPLES
     engine = tree_engine(model, drafter, (3, 3, 8))
     out = engine.generate([prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234))
     samples = [tuple(c) for c in out.completion_ids]
