@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, sample_draft_logprobs
+from .sampling import SamplingParams, sample_categorical, sample_draft_logprobs
 from .speculative import sample_inverse_cdf
 
 
@@ -239,7 +239,7 @@ def draft_tree(
         width = logq.size(1)
         scores, tokens = logq.topk(topk, dim=-1)  # (B, w, topk)
         q = logq[:, 0].exp()
-        main = torch.multinomial(q, 1, generator=generator) if params.do_sample else q.argmax(-1, keepdim=True)
+        main = sample_categorical(q, generator)[:, None] if params.do_sample else q.argmax(-1, keepdim=True)
         others = logq[:, 0].scatter(-1, main, float("-inf")).topk(topk - 1, dim=-1)
         tokens[:, 0] = torch.cat([main, others.indices], dim=-1)
         scores[:, 0] = torch.cat([logq[:, 0].gather(-1, main), others.values], dim=-1)
