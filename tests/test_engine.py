@@ -332,3 +332,35 @@ def test_emitted_token_count_matches_completions(tiny_model_f64, tokenizer):
     )
     # Tokens an accepted run held after EOS are not emitted, and not counted.
     assert out.stats.num_emitted_tokens == sum(len(c) for c in out.completion_ids)
+
+
+def test_growing_cache_layer_appends_in_place_and_equals_concatenation():
+    """`GrowingLayer` (the engine's cache) holds what `DynamicLayer` holds after appends, batch selections and
+    crops, and writes appends into its spare room (no copy of the cache) until the room runs out."""
+    from transformers.cache_utils import DynamicLayer
+
+    from trl_tlt.kv_cache import GrowingLayer
+
+    g = torch.Generator().manual_seed(0)
+    grow, plain = GrowingLayer(), DynamicLayer()
+
+    def append(n, batch=3):
+        k, v = torch.randn(batch, 2, n, 4, generator=g), torch.randn(batch, 2, n, 4, generator=g)
+        out = grow.update(k, v)
+        ref = plain.update(k, v)
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+    append(10)
+    storage = grow.keys.data_ptr()
+    for _ in range(20):
+        append(1)
+    assert grow.keys.data_ptr() == storage  # 30 positions fit the room of the first allocation: written in place
+    append(100)  # past the room: one larger buffer
+    rows = torch.tensor([2, 0])
+    grow.batch_select_indices(rows)
+    plain.batch_select_indices(rows)
+    append(2, batch=2)  # after a selection the new tensors are adopted into a fresh buffer
+    grow.crop(-5)
+    plain.crop(-5)
+    append(3, batch=2)  # a crop keeps the buffer; the next append overwrites the dropped positions
+    assert grow.get_seq_length() == plain.get_seq_length() == 130 + 2 - 5 + 3

@@ -14,6 +14,63 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` that appends in place: its keys and values are views of buffers with spare room, so a forward
+    writes its new positions instead of copying the whole cache (`DynamicLayer` concatenates at every forward, which
+    costs O(cache length) per layer per decode step). The buffers grow by half when full, and are adopted afresh
+    after anything replaced the tensors (a batch selection, a compaction)."""
+
+    growth = 1.5
+    min_room = 64
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.size(-2)
+        keys, values = self.reserve(new, like=(key_states, value_states))
+        keys[:, :, length : length + new], values[:, :, length : length + new] = key_states, value_states
+        self.keys, self.values = keys[:, :, : length + new], values[:, :, : length + new]
+        return self.keys, self.values
+
+    def reserve(self, new: int, like: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Make room for `new` more positions; returns the key and value buffers (B, heads, capacity, d), whose
+        first `get_seq_length()` positions are the cache (the rest is free: a caller may write scratch there, which
+        the next `update` overwrites). `like`: tensors giving the shapes when the cache is still empty."""
+        length = self.get_seq_length()
+        room = getattr(self, "_room", None)
+        if (
+            room is not None
+            and length
+            and not (_is_prefix_view(self.keys, room[0]) and _is_prefix_view(self.values, room[1]))
+        ):
+            room = None  # the tensors were replaced (a batch selection, a compaction): adopt them
+        if room is None or length + new > room[0].size(-2):
+            capacity = max(int(self.growth * (length + new)), length + new + self.min_room)
+            like = (self.keys, self.values) if length else like
+            room = tuple(x.new_empty((*x.shape[:2], capacity, x.size(-1))) for x in like)
+            if length:
+                room[0][:, :, :length], room[1][:, :, :length] = self.keys, self.values
+            self._room = room
+        return room
+
+
+def _is_prefix_view(x: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """x is buffer[:, :, :n] for some n (it starts at the buffer's storage and has its batch size and strides)."""
+    return (
+        x.dim() == 4
+        and x.data_ptr() == buffer.data_ptr()
+        and x.shape[:2] == buffer.shape[:2]
+        and (x.stride() == buffer.stride())
+    )
+
+
+def new_cache(config) -> DynamicCache:
+    """A `DynamicCache` for `config` whose full-attention layers append in place (`GrowingLayer`)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 class RaggedKVModel:
     """Runs `model` over ragged batches, keeping a `DynamicCache` with per-row holes.
 
@@ -58,7 +115,7 @@ class RaggedKVModel:
         self.cache = out.past_key_values
         self.hidden_states = out.hidden_states if self.output_hidden_states else None
         for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer:
+            if type(layer) not in (DynamicLayer, GrowingLayer):
                 raise NotImplementedError(
                     f"{type(self.model).__name__} uses a {type(layer).__name__} cache; the speculative engine supports "
                     "full-attention models only. Generate without trl-tlt's engine for this model."
@@ -78,7 +135,7 @@ class RaggedKVModel:
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             mask[row, width - len(prompt) :] = True
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
         self.attention_mask = mask
         self.lengths = mask.sum(dim=1)
         position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)

@@ -29,7 +29,7 @@ from transformers import DynamicCache, LlamaConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ..kv_cache import RaggedKVModel
+from ..kv_cache import GrowingLayer, RaggedKVModel
 from ..sampling import sample_draft
 from ..tree import DraftTree, draft_tree
 from .base import Draft, DraftContext, Drafter
@@ -518,19 +518,22 @@ class _DraftSession:
 
     def __init__(self, head: _LeanHead, runner: RaggedKVModel, depth: int, width: int = 1):
         """`depth` draft steps of `width` positions per row at most."""
-        layer = head.layer
         self.head = head
         cache = runner.cache.layers[0]
-        keys, values = layer.repeat_kv(cache.keys), layer.repeat_kv(cache.values)  # (B, h, T, d)
-        batch, heads, committed, d = keys.shape
-        size = (batch, heads, committed + max(depth, 1) * width, d)
-        self.keys, self.values = keys.new_empty(size), values.new_empty(size)
-        self.keys[:, :, :committed], self.values[:, :, :committed] = keys, values
-        self.bias = keys.new_zeros((batch, 1, 1, size[2]))  # holes of the cache -inf, draft positions 0
+        committed = cache.get_seq_length()
+        room = max(depth, 1) * width
+        if isinstance(cache, GrowingLayer):  # the draft positions go in the cache's free room, uncommitted
+            self.keys, self.values = cache.reserve(room)
+        else:
+            size = (*cache.keys.shape[:2], committed + room, cache.keys.size(-1))
+            self.keys, self.values = cache.keys.new_empty(size), cache.values.new_empty(size)
+            self.keys[:, :, :committed], self.values[:, :, :committed] = cache.keys, cache.values
+        batch = self.keys.size(0)
+        self.bias = self.keys.new_zeros((batch, 1, 1, committed + room))  # holes of the cache -inf, drafts 0
         self.bias[:, 0, 0, :committed].masked_fill_(~runner.attention_mask, float("-inf"))
         self.committed = self.filled = committed
-        positions = runner.lengths[:, None] + torch.arange(max(depth, 1), device=keys.device)[None]
-        cos, sin = head.rope(keys, positions)  # (B, depth, d): depth j's at index j - 1
+        positions = runner.lengths[:, None] + torch.arange(max(depth, 1), device=self.keys.device)[None]
+        cos, sin = head.rope(self.keys, positions)  # (B, depth, d): depth j's at index j - 1
         self.cos, self.sin = cos[:, :, None], sin[:, :, None]
 
     @staticmethod
@@ -538,7 +541,6 @@ class _DraftSession:
         """Append n positions per row to the committed cache (tokens (B, n), hidden states (B, n, H), `valid` (B, n)
         marks real ones, left-aligned), as `runner.extend` does with `Eagle3Model.forward`, with fewer operations.
         Returns the policy-vocabulary logits (B, V) and pre-norm output (B, H) of each row's last valid position."""
-        layer = head.layer
         positions = (runner.lengths[:, None] + valid.long().cumsum(dim=1) - 1).clamp(min=0)
         cos, sin = head.rope(hidden, positions)
         q, k, v = head.qkv(input_ids, hidden, cos[:, :, None], sin[:, :, None])
@@ -550,7 +552,7 @@ class _DraftSession:
         eye = torch.eye(n, dtype=torch.bool, device=valid.device)
         causal = torch.ones((n, n), dtype=torch.bool, device=valid.device).tril() & valid[:, None, :] | eye
         allowed = torch.cat([older[:, None, :].expand(batch, n, -1), causal], dim=2)[:, None]  # (B, 1, n, T)
-        out = F.scaled_dot_product_attention(q, layer.repeat_kv(keys), layer.repeat_kv(values), attn_mask=allowed)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)
         last = (n - 1 - valid.flip(1).int().argmax(1))[:, None, None]  # last valid index per row
         out = out.gather(2, last[:, None].expand(-1, out.size(1), 1, out.size(-1)))
         prenorm = head.finish(out, hidden.gather(1, last.expand(-1, 1, hidden.size(-1)))).squeeze(1)
@@ -563,14 +565,15 @@ class _DraftSession:
         head = self.head
         q, k, v = head.qkv(input_ids, hidden, self.cos[:, depth - 1 : depth], self.sin[:, depth - 1 : depth])
         start, end = self.filled, self.filled + input_ids.size(1)
-        self.keys[:, :, start:end], self.values[:, :, start:end] = head.layer.repeat_kv(k), head.layer.repeat_kv(v)
+        self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
         self.filled = end
         mask = self.bias[..., :end]
         if visible is not None:  # a tree: each position sees the cache and, of the draft positions, its ancestors
             local = torch.zeros(visible.shape, dtype=mask.dtype, device=mask.device)
             local = local.masked_fill(~visible, float("-inf"))[:, None]
             mask = torch.cat([mask[..., : self.committed].expand(-1, -1, visible.size(1), -1), local], dim=-1)
-        out = F.scaled_dot_product_attention(q, self.keys[:, :, :end], self.values[:, :, :end], attn_mask=mask)
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         prenorm = head.finish(out, hidden)
         return head.logits(prenorm), prenorm
 
