@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from _bench import machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, _DraftSession  # noqa: E402
+from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, _DraftSession, _LeanHead  # noqa: E402
 from trl_tlt.engine import FixedSpeculation, SpeculativeEngine  # noqa: E402
 from trl_tlt.kv_cache import RaggedKVModel  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
@@ -99,13 +99,14 @@ def throughput(model, head, tokenizer, device, shapes, sets, max_new_tokens) -> 
 def draft_step_timing(model, head, device, steps) -> dict:
     batch, hidden = 8, model.config.hidden_size
     runner = RaggedKVModel(head, output_hidden_states=True)
+    lean = _LeanHead(head)
     with torch.no_grad():
         runner.prefill([[5] * 100] * batch, hidden_states=torch.randn(batch, 100, hidden, device=device))
         tokens = torch.randint(0, 200, (batch, 1), device=device)
         state = torch.randn(batch, 1, hidden, device=device)
 
         def run(step):
-            session = _DraftSession(head, runner, 4)
+            session = _DraftSession(lean, runner, 4)
             h = state
             for depth in range(1, 5):
                 _, h = step(session, tokens, h, depth)
