@@ -94,6 +94,12 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--output", default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--eagle3-arms",
+        default=None,
+        help="comma-separated EAGLE-3 arms to run, e.g. eagle3_k6 (default: all; the tree-vs-chain figure needs a "
+        "tree and the chain of its depth)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,12 +131,18 @@ def main() -> None:
         ),
         **eagle_methods(model, head, k),
     }
+    if args.eagle3_arms:
+        wanted = args.eagle3_arms.split(",")
+        unknown = sorted(set(wanted) - set(methods))
+        if unknown:
+            raise SystemExit(f"--eagle3-arms: unknown {unknown}; known: {sorted(m for m in methods if 'eagle3' in m)}")
+        methods = {m: make for m, make in methods.items() if not m.startswith("eagle3") or m in wanted}
     eagle = [m for m in methods if m.startswith("eagle3")]
 
     # Warm-up (first calls allocate).
     warm = prompt_token_ids(tokenizer, make_dataset(2, seed=99)["prompt"])
     hf_generate(model, tokenizer, warm, SamplingParams(max_new_tokens=8, eos_token_ids=params.eos_token_ids), 0)
-    for make in (methods["engine_no_spec"], methods["eagle3_k4"], methods["eagle3_tree_d4_t2_v8"]):
+    for make in (methods["engine_no_spec"], *(methods[m] for m in eagle[:1])):
         make().generate(warm, SamplingParams(max_new_tokens=8))
 
     counts = {m: {"accepted": 0, "drafts": 0} for m in methods}
@@ -209,9 +221,9 @@ def main() -> None:
     # Acceptance over every run: accepted draft tokens per verification, the best tree vs the chain of its depth.
     accepted_per_verify = {m: c["accepted"] / c["drafts"] for m, c in counts.items() if c["drafts"]}
     acceptance_length = {m: 1 + accepted_per_verify[m] for m in accepted_per_verify}
-    trees = [m for m in eagle if "_tree_" in m]
-    best_tree = max(trees, key=lambda m: accepted_per_verify[m])
-    chain = f"eagle3_k{arm_depth(best_tree)}"
+    trees = [m for m in eagle if "_tree_" in m and f"eagle3_k{arm_depth(m)}" in accepted_per_verify]
+    best_tree = max(trees, key=lambda m: accepted_per_verify[m]) if trees else None
+    chain = f"eagle3_k{arm_depth(best_tree)}" if trees else None
 
     grpo = per_shape.get("8x8") or per_shape[shapes[-1]]
     drafters = ["engine_ngram", "engine_draft_lm", *eagle]
@@ -234,8 +246,10 @@ def main() -> None:
         "spec_speedup_bs1": confirmed_speedup("1x1"),
         "spec_speedup_bs8": confirmed_speedup("2x4"),
         "spec_speedup_bs64": confirmed_speedup("8x8"),
-        "tree_over_chain_acceptance": accepted_per_verify[best_tree] / accepted_per_verify[chain],
-        "tree_over_chain_acceptance_length": acceptance_length[best_tree] / acceptance_length[chain],
+        "tree_over_chain_acceptance": accepted_per_verify[best_tree] / accepted_per_verify[chain] if trees else None,
+        "tree_over_chain_acceptance_length": acceptance_length[best_tree] / acceptance_length[chain]
+        if trees
+        else None,
         "best_tree": best_tree,
         "chain_of_equal_k": chain,
         "accepted_tokens_per_verify": accepted_per_verify,
@@ -247,11 +261,16 @@ def main() -> None:
         "per_batch_size": per_shape,
     }
     print(
-        f"\nspec-on / spec-off (fastest EAGLE-3 arm, confirmed on fresh sets): batch 1 {result['spec_speedup_bs1']}, batch 8 "
-        f"{result['spec_speedup_bs8']}, batch 64 {result['spec_speedup_bs64']}\n"
-        f"accepted tokens per verify: best tree {best_tree} {accepted_per_verify[best_tree]:.2f} vs {chain} "
-        f"{accepted_per_verify[chain]:.2f} ({result['tree_over_chain_acceptance']:.2f}x; acceptance length "
-        f"{result['tree_over_chain_acceptance_length']:.2f}x)\n"
+        f"\nspec-on / spec-off (fastest EAGLE-3 arm, confirmed on fresh sets): batch 1 {result['spec_speedup_bs1']}, "
+        f"batch 8 {result['spec_speedup_bs8']}, batch 64 {result['spec_speedup_bs64']}"
+    )
+    if trees:
+        print(
+            f"accepted tokens per verify: best tree {best_tree} {accepted_per_verify[best_tree]:.2f} vs {chain} "
+            f"{accepted_per_verify[chain]:.2f} ({result['tree_over_chain_acceptance']:.2f}x; acceptance length "
+            f"{result['tree_over_chain_acceptance_length']:.2f}x)"
+        )
+    print(
         f"GRPO-like batch: best drafter {best}: {result['speedup_vs_generate']:.2f}x vs generate, "
         f"{result['speedup_vs_no_spec']:.2f}x vs speculation off"
     )

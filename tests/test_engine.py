@@ -364,3 +364,21 @@ def test_growing_cache_layer_appends_in_place_and_equals_concatenation():
     plain.crop(-5)
     append(3, batch=2)  # a crop keeps the buffer; the next append overwrites the dropped positions
     assert grow.get_seq_length() == plain.get_seq_length() == 130 + 2 - 5 + 3
+
+
+def test_sample_categorical_draws_from_the_distribution():
+    """The drafters' sampler (inverse CDF, one uniform per row) is exact: chi-square against the distribution, never
+    a zero-probability token (first or last), unnormalised rows fine."""
+    from trl_tlt.sampling import sample_categorical
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0], dtype=torch.float64)
+    n = 20000
+    draws = sample_categorical((3.0 * probs).expand(n, -1), g)  # unnormalised: sums to 3
+    counts = torch.bincount(draws, minlength=probs.numel())
+    assert counts[probs == 0].sum() == 0
+    keep = probs > 0
+    assert chisquare(counts[keep].numpy(), (n * probs[keep]).numpy()).pvalue > 1e-3
+    one_hot = torch.zeros(4, 6)
+    one_hot[:, 5] = 1.0
+    assert sample_categorical(one_hot, g).tolist() == [5, 5, 5, 5]
