@@ -364,6 +364,14 @@ def test_growing_cache_layer_appends_in_place_and_equals_concatenation():
     plain.crop(-5)
     append(3, batch=2)  # a crop keeps the buffer; the next append overwrites the dropped positions
     assert grow.get_seq_length() == plain.get_seq_length() == 130 + 2 - 5 + 3
+    # `reserve` (the EAGLE-3 draft session's scratch room): past the room it moves the cache into a larger buffer
+    # once; scratch written past the cache is not part of it and the next append does not move it again.
+    cached = grow.keys.clone()
+    keys, _ = grow.reserve(500)
+    assert torch.equal(grow.keys, cached) and grow.keys.data_ptr() == keys.data_ptr()
+    keys[:, :, grow.get_seq_length() :] = float("nan")
+    append(1, batch=2)
+    assert grow.keys.data_ptr() == keys.data_ptr()
 
 
 def test_sample_categorical_draws_from_the_distribution():

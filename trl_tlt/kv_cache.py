@@ -38,11 +38,7 @@ class GrowingLayer(DynamicLayer):
         the next `update` overwrites). `like`: tensors giving the shapes when the cache is still empty."""
         length = self.get_seq_length()
         room = getattr(self, "_room", None)
-        if (
-            room is not None
-            and length
-            and not (_is_prefix_view(self.keys, room[0]) and _is_prefix_view(self.values, room[1]))
-        ):
+        if room is not None and not (_is_prefix_view(self.keys, room[0]) and _is_prefix_view(self.values, room[1])):
             room = None  # the tensors were replaced (a batch selection, a compaction): adopt them
         if room is None or length + new > room[0].size(-2):
             capacity = max(int(self.growth * (length + new)), length + new + self.min_room)
@@ -50,6 +46,7 @@ class GrowingLayer(DynamicLayer):
             room = tuple(x.new_empty((*x.shape[:2], capacity, x.size(-1))) for x in like)
             if length:
                 room[0][:, :, :length], room[1][:, :, :length] = self.keys, self.values
+                self.keys, self.values = room[0][:, :, :length], room[1][:, :, :length]
             self._room = room
         return room
 
