@@ -510,10 +510,11 @@ class _LeanHead:
 class _DraftSession:
     """The drafter's forwards over draft positions during one `propose`: the committed cache is read, never written.
 
-    The hot path of drafting, kept lean (`_LeanHead`): the committed cache is copied once into a buffer with room for
-    the draft positions, whose keys and values are written in place, so each draft step is one fused attention over
-    a slice of it (holes masked by a bias built once); RoPE for every draft depth is computed once. Equal to
-    `Eagle3Model.forward` on the same inputs up to rounding (tested).
+    The hot path of drafting, kept lean (`_LeanHead`): the draft positions' keys and values are written into the
+    free room of the drafter's cache (`GrowingLayer.reserve`; uncommitted, the next commit overwrites them; a copy
+    with room for any other cache layer), so each draft step is one fused attention over a slice of it (holes masked
+    by a bias built once); RoPE for every draft depth is computed once. Equal to `Eagle3Model.forward` on the same
+    inputs up to rounding (tested).
     """
 
     def __init__(self, head: _LeanHead, runner: RaggedKVModel, depth: int, width: int = 1):
