@@ -40,7 +40,7 @@ class TLTConfig(GRPOConfig):
             two tree arms of depth `num_speculative_tokens` (top-k 2 and 4, verifying 2x and 4x as many nodes: a
             sampled chain plus side branches, one policy forward; see docs/engine.md), and keeps them in the batch
             sizes where they emit more tokens per second than chains. Off by default: on 2 CPU cores trees never beat
-            chains and exploring them cost 2-8% of rollout throughput; where verification is memory-bound (GPUs)
+            chains and exploring them cost 2-10% of rollout throughput; where verification is memory-bound (GPUs)
             they may pay (`scripts/gpu_check_tree.py` measures it). trl-tlt's engine only (vLLM drafts chains).
         selector_deterministic (`bool`, *optional*, defaults to `False`):
             Reward the bandit with a modelled step cost (one policy forward plus k drafter forwards, weighted by
