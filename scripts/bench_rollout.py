@@ -142,7 +142,8 @@ def main() -> None:
     # Warm-up (first calls allocate).
     warm = prompt_token_ids(tokenizer, make_dataset(2, seed=99)["prompt"])
     hf_generate(model, tokenizer, warm, SamplingParams(max_new_tokens=8, eos_token_ids=params.eos_token_ids), 0)
-    for make in (methods["engine_no_spec"], *(methods[m] for m in eagle[:1])):
+    first_chain_and_tree = [next((m for m in eagle if ("_tree_" in m) == tree), None) for tree in (False, True)]
+    for make in (methods["engine_no_spec"], *(methods[m] for m in first_chain_and_tree if m)):
         make().generate(warm, SamplingParams(max_new_tokens=8))
 
     counts = {m: {"accepted": 0, "drafts": 0} for m in methods}

@@ -511,24 +511,18 @@ class _DraftSession:
     """The drafter's forwards over draft positions during one `propose`: the committed cache is read, never written.
 
     The hot path of drafting, kept lean (`_LeanHead`): the draft positions' keys and values are written into the
-    free room of the drafter's cache (`GrowingLayer.reserve`; uncommitted, the next commit overwrites them; a copy
-    with room for any other cache layer), so each draft step is one fused attention over a slice of it (holes masked
-    by a bias built once); RoPE for every draft depth is computed once. Equal to `Eagle3Model.forward` on the same
-    inputs up to rounding (tested).
+    free room of the drafter's cache (`GrowingLayer.reserve`; uncommitted, the next commit overwrites them), so each
+    draft step is one fused attention over a slice of it (holes masked by a bias built once); RoPE for every draft
+    depth is computed once. Equal to `Eagle3Model.forward` on the same inputs up to rounding (tested).
     """
 
     def __init__(self, head: _LeanHead, runner: RaggedKVModel, depth: int, width: int = 1):
         """`depth` draft steps of `width` positions per row at most."""
         self.head = head
-        cache = runner.cache.layers[0]
+        cache: GrowingLayer = runner.cache.layers[0]  # `RaggedKVModel` builds its caches of `GrowingLayer`s
         committed = cache.get_seq_length()
         room = max(depth, 1) * width
-        if isinstance(cache, GrowingLayer):  # the draft positions go in the cache's free room, uncommitted
-            self.keys, self.values = cache.reserve(room)
-        else:
-            size = (*cache.keys.shape[:2], committed + room, cache.keys.size(-1))
-            self.keys, self.values = cache.keys.new_empty(size), cache.values.new_empty(size)
-            self.keys[:, :, :committed], self.values[:, :, :committed] = cache.keys, cache.values
+        self.keys, self.values = cache.reserve(room)  # the draft positions go in the cache's free room, uncommitted
         batch = self.keys.size(0)
         self.bias = self.keys.new_zeros((batch, 1, 1, committed + room))  # holes of the cache -inf, drafts 0
         self.bias[:, 0, 0, :committed].masked_fill_(~runner.attention_mask, float("-inf"))
@@ -615,8 +609,9 @@ class Eagle3Drafter(Drafter):
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
-        logits, prenorm = self._flush(ctx) if self._pending.size(1) else self._last
-        session = _DraftSession(self._lean_head(), self.runner, k - 1)
+        head = self._lean_head()
+        logits, prenorm = self._flush(ctx, head) if self._pending.size(1) else self._last
+        session = _DraftSession(head, self.runner, k - 1)
         token_ids, probs = [], []
         for j in range(k):
             tokens, q = sample_draft(logits, ctx.params, ctx.generator)
@@ -631,8 +626,9 @@ class Eagle3Drafter(Drafter):
     @torch.no_grad()
     def propose_tree(self, ctx: DraftContext, depth: int, topk: int, verify: int) -> DraftTree:
         """A draft tree (`trl_tlt.tree.draft_tree`): each expanded node is fed with its parent's pre-norm output."""
-        logits, prenorm = self._flush(ctx) if self._pending.size(1) else self._last
-        session = _DraftSession(self._lean_head(), self.runner, depth - 1, width=topk)
+        head = self._lean_head()
+        logits, prenorm = self._flush(ctx, head) if self._pending.size(1) else self._last
+        session = _DraftSession(head, self.runner, depth - 1, width=topk)
         slots = prenorm[:, None]  # (B, 1 + m, H): the root's pre-norm output, then those of the m draft slots fed
 
         def step(tokens, parent_slots, visible, d):
@@ -644,7 +640,7 @@ class Eagle3Drafter(Drafter):
 
         return draft_tree(logits, step, ctx.params, depth, topk, verify, ctx.generator)
 
-    def _flush(self, ctx: DraftContext):
+    def _flush(self, ctx: DraftContext, head: _LeanHead):
         """Feed the pending (token t+1, hidden t) pairs; returns the last position's logits and pre-norm output."""
         valid = self._pending_valid
         counts = valid.sum(1).tolist()
@@ -656,7 +652,7 @@ class Eagle3Drafter(Drafter):
         ]
         input_ids = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
         input_ids[valid] = torch.tensor(tokens, dtype=torch.long, device=valid.device)
-        logits, prenorm = _DraftSession.commit(self._lean_head(), self.runner, input_ids, self._pending, valid)
+        logits, prenorm = _DraftSession.commit(head, self.runner, input_ids, self._pending, valid)
         self._pending = self._pending[:, :0]
         self._pending_valid = self._pending_valid[:, :0]
         return logits, prenorm
