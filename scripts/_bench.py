@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
+from collections.abc import Callable
 
 import torch
 
@@ -22,3 +24,16 @@ def write_json(result: dict, path: str | None) -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {path}")
+
+
+def bootstrap_interval(
+    statistic: Callable[[list[int]], float], n: int, draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95% percentile bootstrap interval of `statistic(picks)`, where `picks` resamples range(n) with replacement.
+
+    Paired: the statistic reads every series it compares at the same picks (e.g. the same prompt sets for both
+    methods), so what the sets have in common cancels out.
+    """
+    rng = random.Random(seed)
+    values = sorted(statistic([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    return values[int(0.025 * draws)], values[int(0.975 * draws) - 1]

@@ -9,7 +9,8 @@ Completion lengths are random (sampling): the same prompt set gives each method 
 speed-ups are ratios of throughput (tokens generated per second), totalled over `--repeats` prompt sets per shape,
 every method on the same prompts back to back. The EAGLE-3 arm of `spec_speedup_bs*` is the fastest of that
 sweep; it is then measured again against speculation off on `--confirm` fresh prompt sets (a second round, so the
-figure carries no selection bias from picking the best of many noisy arms).
+figure carries no selection bias from picking the best of many noisy arms), with a 95% bootstrap interval over those
+sets: the sets' random completion lengths, not the timing, spread the ratio most.
 
     python scripts/bench_rollout.py --output docs/benchmarks/rollout_cpu.json
 """
@@ -17,6 +18,7 @@ figure carries no selection bias from picking the best of many noisy arms).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -26,7 +28,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
-from _bench import machine, write_json  # noqa: E402
+from _bench import bootstrap_interval, machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters import ModelDrafter, NgramDrafter  # noqa: E402
@@ -79,6 +81,13 @@ def eagle_methods(model, head, k: int) -> dict:
     return methods
 
 
+def throughput_ratio(tokens: dict, seconds: dict, method: str, baseline: str, sets) -> float:
+    """Tokens per second of `method` over `baseline`, totalled over the prompt `sets` (indices; tokens and seconds
+    per set and method)."""
+    rate = {m: sum(tokens[m][j] for j in sets) / sum(seconds[m][j] for j in sets) for m in (method, baseline)}
+    return rate[method] / rate[baseline]
+
+
 def arm_depth(method: str) -> int:
     """k of a chain arm, depth of a tree arm."""
     return int(method.split("_k")[1]) if "_k" in method else int(method.split("_d")[1].split("_")[0])
@@ -88,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="1x1,2x4,8x8", help="prompts x generations per batch, comma-separated")
     parser.add_argument("--repeats", default="16,16,8", help="prompt sets per shape (one number, or one per shape)")
-    parser.add_argument("--confirm", default="32,32,24", help="fresh prompt sets per shape for the chosen arm")
+    parser.add_argument("--confirm", default="128,128,48", help="fresh prompt sets per shape for the chosen arm")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the n-gram and draft-LM arms")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--cache-dir", default=None)
@@ -185,8 +194,9 @@ def main() -> None:
         confirm_times, confirm_tokens, _ = run_sets(
             ["engine_no_spec", best], num_prompts, num_generations, range(5000, 5000 + num_confirm), count=False
         )
-        rate = {m: sum(confirm_tokens[m]) / sum(confirm_times[m]) for m in confirm_times}
-        confirmed = rate[best] / rate["engine_no_spec"]
+        confirmed_ratio = functools.partial(throughput_ratio, confirm_tokens, confirm_times, best, "engine_no_spec")
+        confirmed = confirmed_ratio(range(num_confirm))
+        interval = bootstrap_interval(confirmed_ratio, num_confirm)  # the same ratio over resampled prompt sets
         per_shape[shape] = {
             "batch_size": num_prompts * num_generations,
             "prompt_sets": num_sets,
@@ -201,6 +211,7 @@ def main() -> None:
             "tokens_per_set": set_tokens,
             "best_eagle3_arm": best,
             "best_eagle3_speedup_vs_no_spec_confirmed": confirmed,
+            "best_eagle3_speedup_vs_no_spec_confirmed_95ci": list(interval),
             "confirm_prompt_sets": num_confirm,
             "confirm_seconds_per_set": confirm_times,
             "confirm_tokens_per_set": confirm_tokens,
@@ -217,7 +228,10 @@ def main() -> None:
                 f"{row['speedup_vs_generate'][m]:>12.2f}x{row['speedup_vs_no_spec'][m]:>11.2f}x"
                 f"{'' if acc is None else f'{acc:.2f}':>9}"
             )
-        print(f"fastest EAGLE-3 arm: {best}; on {num_confirm} fresh prompt sets {confirmed:.2f}x vs speculation off")
+        print(
+            f"fastest EAGLE-3 arm: {best}; on {num_confirm} fresh prompt sets {confirmed:.2f}x vs speculation off "
+            f"(95% bootstrap interval over the sets {interval[0]:.2f}-{interval[1]:.2f})"
+        )
 
     # Acceptance over every run: accepted draft tokens per verification, the best tree vs the chain of its depth.
     accepted_per_verify = {m: c["accepted"] / c["drafts"] for m, c in counts.items() if c["drafts"]}
@@ -230,8 +244,8 @@ def main() -> None:
     drafters = ["engine_ngram", "engine_draft_lm", *eagle]
     best = max(drafters, key=lambda m: grpo["speedup_vs_no_spec"][m])
 
-    def confirmed_speedup(shape: str) -> float | None:
-        return per_shape[shape]["best_eagle3_speedup_vs_no_spec_confirmed"] if shape in per_shape else None
+    def confirmed_speedup(shape: str, key: str = "best_eagle3_speedup_vs_no_spec_confirmed"):
+        return per_shape[shape][key] if shape in per_shape else None
 
     result = {
         "benchmark": "rollout",
@@ -247,6 +261,10 @@ def main() -> None:
         "spec_speedup_bs1": confirmed_speedup("1x1"),
         "spec_speedup_bs8": confirmed_speedup("2x4"),
         "spec_speedup_bs64": confirmed_speedup("8x8"),
+        "spec_speedup_95ci": {
+            f"bs{size}": confirmed_speedup(shape, "best_eagle3_speedup_vs_no_spec_confirmed_95ci")
+            for size, shape in ((1, "1x1"), (8, "2x4"), (64, "8x8"))
+        },
         "tree_over_chain_acceptance": accepted_per_verify[best_tree] / accepted_per_verify[chain] if trees else None,
         "tree_over_chain_acceptance_length": acceptance_length[best_tree] / acceptance_length[chain]
         if trees

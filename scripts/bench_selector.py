@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import random
 import time
 
 
@@ -21,7 +20,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
-from _bench import write_json  # noqa: E402
+from _bench import bootstrap_interval, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters import ModelDrafter, NgramDrafter  # noqa: E402
@@ -107,13 +106,10 @@ def main() -> None:
     totals = {name: sum(times) for name, times in per_batch.items()}
     best_fixed = min((t, n) for n, t in totals.items() if n != "bandit")
     # 95% bootstrap interval of the ratio, resampling batches (paired: the same batches for both methods)
-    rng = random.Random(0)
-    n = len(per_batch["bandit"])
-    ratios = []
-    for _ in range(2000):
-        pick = [rng.randrange(n) for _ in range(n)]
-        ratios.append(sum(per_batch["bandit"][j] for j in pick) / sum(per_batch[best_fixed[1]][j] for j in pick))
-    ratios.sort()
+    interval = bootstrap_interval(
+        lambda picks: sum(per_batch["bandit"][j] for j in picks) / sum(per_batch[best_fixed[1]][j] for j in picks),
+        len(per_batch["bandit"]),
+    )
     result = {
         "benchmark": "selector",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -123,7 +119,7 @@ def main() -> None:
         "total_seconds": totals,
         "best_fixed_arm": best_fixed[1],
         "adaptive_over_best_fixed": totals["bandit"] / best_fixed[0],
-        "adaptive_over_best_fixed_95ci": [ratios[50], ratios[1949]],
+        "adaptive_over_best_fixed_95ci": list(interval),
         "per_batch_seconds": per_batch,
         "epsilon": args.epsilon,
         "drafter_set": args.drafter_set,

@@ -334,6 +334,35 @@ def test_emitted_token_count_matches_completions(tiny_model_f64, tokenizer):
     assert out.stats.num_emitted_tokens == sum(len(c) for c in out.completion_ids)
 
 
+class ShortDrafter(ModelDrafter):
+    """Drafts k tokens but offers only the first one of each row (as the n-gram drafter does without a match)."""
+
+    def propose(self, ctx, k):
+        draft = super().propose(ctx, k)
+        return Draft(draft.token_ids, draft.num_tokens.clamp(max=1), draft.probs)
+
+
+def test_verification_covers_only_the_longest_draft(tiny_model_f64, tokenizer, monkeypatch):
+    from trl_tlt.kv_cache import RaggedKVModel
+
+    model = tiny_model_f64
+    prompts = random_prompts(5, model.config.vocab_size, seed=6)
+    widths = []
+    extend = RaggedKVModel.extend
+
+    def spy(self, input_ids, valid, **kwargs):
+        if self.model is model:  # the policy's verification forwards, not the drafter's own
+            widths.append(input_ids.size(1))
+        return extend(self, input_ids, valid, **kwargs)
+
+    monkeypatch.setattr(RaggedKVModel, "extend", spy)
+    drafter = ShortDrafter(make_drafter("model", model, tokenizer).model, model.config.vocab_size)
+    params = SamplingParams(do_sample=False, max_new_tokens=16, eos_token_ids=(EOS,))
+    out = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=4).generate(prompts, params)
+    assert out.completion_ids == hf_greedy(model, prompts, max_new_tokens=16)
+    assert widths and max(widths) == 2  # the last token and one draft, not k + 1 = 5 positions
+
+
 def test_growing_cache_layer_appends_in_place_and_equals_concatenation():
     """`GrowingLayer` (the engine's cache) holds what `DynamicLayer` holds after appends, batch selections and
     crops, and writes appends into its spare room (no copy of the cache) until the room runs out."""

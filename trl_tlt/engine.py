@@ -290,6 +290,11 @@ class SpeculativeEngine:
                 draft_ids, draft_probs, valid_rows = _checked_draft(draft, k, vocab)
                 # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
                 num_drafts = torch.where(valid_rows, torch.minimum(draft.num_tokens, remaining - 1), 0)
+                # Verify only as many positions as the longest draft needs (a drafter may stop short of k).
+                longest = int(num_drafts.max())
+                if longest < k:
+                    draft_ids = draft_ids[:, :longest]
+                    draft_probs = None if draft_probs is None else draft_probs[:, :longest]
             else:
                 draft_ids = torch.zeros((active, 0), dtype=torch.long, device=device)
                 num_drafts = torch.zeros(active, dtype=torch.long, device=device)
@@ -304,9 +309,10 @@ class SpeculativeEngine:
                     policy, tree, ancestors, depths, last, seen, params, generator
                 )
             else:
-                valid = torch.arange(k + 1, device=device)[None, :] < (num_drafts + 1)[:, None]  # (B, k+1)
+                width = draft_ids.size(1) + 1
+                valid = torch.arange(width, device=device)[None, :] < (num_drafts + 1)[:, None]  # (B, width)
                 lengths_before = policy.lengths
-                logits = policy.extend(torch.cat([last, draft_ids], dim=1), valid)  # (B, k+1, V)
+                logits = policy.extend(torch.cat([last, draft_ids], dim=1), valid)  # (B, width, V)
                 step_seen = None if seen is None else _seen_per_position(seen, draft_ids)
                 logp = process_logits(upcast_logits(logits), params, step_seen)
                 num_accepted, next_tokens, emitted_lp = verify_drafts(
