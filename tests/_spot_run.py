@@ -44,7 +44,8 @@ def make_trainer(model_dir, output_dir, max_steps, save_steps=0):
         disable_tqdm=True,
         spot_training=True,
         spot_tokens_per_step=64,
-        spot_cold_start_steps=0,  # the warm regime's fixed steps per rollout (the cold start: test_spot.py)
+        spot_cold_start_steps=0,  # the warm regime's learning rate (the cold start: test_spot.py)
+        spot_steps_per_rollout=4,  # a fixed count: the tests count steps (the time budget: test_spot.py)
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     return TLTGRPOTrainer(

@@ -99,7 +99,9 @@ def spot_trainer(policy):
     completions = torch.randint(3, policy.config.vocab_size, (12, 16), generator=g).tolist()
     buffer.add(prompts, completions)
     schedule = SpotSchedule(learning_rate=3e-3, warmup_steps=1)
-    return SpotTrainer(Eagle3Model.for_policy(policy), buffer, schedule=schedule, tokens_per_step=128)
+    return SpotTrainer(
+        Eagle3Model.for_policy(policy), buffer, schedule=schedule, tokens_per_step=128, steps_per_phase=4
+    )
 
 
 def test_non_finite_drafter_step_is_dropped_or_rolled_back(tokenizer, monkeypatch):
@@ -277,6 +279,9 @@ INVALID_CONFIGS = [
     ({"spot_cold_start_steps": -1}, "spot_cold_start_steps"),
     ({"spot_steps_per_rollout": -1}, "spot_steps_per_rollout"),
     ({"spot_learning_rate": 0.0}, "spot_learning_rate"),
+    ({"spot_time_budget": -0.1}, "spot_time_budget"),
+    ({"drafter_ttt_length": 0}, "drafter_ttt_length"),
+    ({"draft_vocab_size": 0}, "draft_vocab_size"),
 ]
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trl_tlt.selector import BanditSpeculation, batch_size_bucket
+from trl_tlt.selector import BanditSpeculation, batch_size_bucket, ladder_neighbours
 from trl_tlt.selector_sim import CostModel, simulate
 
 
@@ -43,6 +43,24 @@ def test_bandit_forgets_when_the_drafter_changes():
     cost.alpha = 0.05  # the drafter went stale: speculation no longer pays
     simulate(selector, cost, selector.arms, [2], steps=300, seed=3)
     assert selector.best_arms()[2] == (None, 0)
+
+
+def test_exploring_a_drafter_that_never_pays_is_cheap():
+    """Exploration is local (neighbours of the best arm on the drafter's ladder): with a drafter that never pays it
+    only tries k = 1. Mutation: explore any arm (`self._rng.choice(self.arms)`) and the regret reads 12%."""
+    cost = CostModel(alpha=0.05)
+    selector = BanditSpeculation(arms=ARMS, epsilon=0.1, seed=0)
+    report = simulate(selector, cost, selector.arms, BATCH_SIZES, steps=200 * len(BATCH_SIZES), seed=1)
+    assert report["time_regret"] < 0.06, report
+    assert all(arm == (None, 0) for arm in selector.best_arms().values())
+
+
+def test_ladder_neighbours():
+    arms = [(None, 0), ("a", 1), ("a", 4), ("a", 4, 2, 8), ("b", 2)]
+    near = ladder_neighbours(arms)
+    assert near[(None, 0)] == [("a", 1), ("b", 2)]
+    assert near[("a", 1)] == [(None, 0), ("a", 4)] and near[("a", 4)] == [("a", 1), ("a", 4, 2, 8)]
+    assert near[("a", 4, 2, 8)] == [("a", 4)] and near[("b", 2)] == [(None, 0)]
 
 
 def test_bandit_validation():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trl_tlt.drafters.eagle3 import Eagle3Model
-from trl_tlt.spot import HELD_OUT_EVERY, DataBuffer, SpotSchedule, SpotTrainer
+from trl_tlt.spot import HELD_OUT_EVERY, DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
 from trl_tlt.tiny import build_tiny_model, build_tokenizer
 
 
@@ -57,7 +57,7 @@ def spot_trainer(policy, **kwargs):
     buffer = DataBuffer(window=2)
     prompts, completions = rollout(16, 20)
     buffer.add(prompts, completions)
-    schedule = SpotSchedule(learning_rate=3e-3, warmup_steps=1, steps_per_rollout=kwargs.pop("steps_per_rollout", 4))
+    schedule = SpotSchedule(learning_rate=3e-3, warmup_steps=1)
     return SpotTrainer(Eagle3Model.for_policy(policy), buffer, schedule=schedule, **kwargs)
 
 
@@ -83,11 +83,48 @@ def test_a_preempted_step_changes_nothing(policy):
     assert spot.total_steps == 0
 
 
-def test_single_process_budget(policy):
-    spot = spot_trainer(policy, steps_per_rollout=3)
+def test_single_process_fixed_steps(policy):
+    spot = spot_trainer(policy, steps_per_phase=3)
     stats = spot.run_between_rollouts(policy)
     assert stats.steps == 3 and stats.summary["steps"] == 3 and stats.seconds_used > 0
     assert stats.idle_seconds == 0 and stats.summary["loss"] is not None
+
+
+def test_single_process_time_budget(policy):
+    """A phase spends about time_budget x rollout seconds (the last step may overdraw by one step's time, which
+    the next phase pays back); no rollout time, no step."""
+    spot = spot_trainer(policy, budget=SpotBudget(time_budget=0.5, warmup_phases=5))
+    spot.step(policy)  # first-call overheads out of the way; the step time is now known
+    stats = spot.run_between_rollouts(policy, rollout_seconds=2.0)
+    assert stats.steps >= 2 and stats.budget_seconds == pytest.approx(1.0)
+    assert stats.seconds_used < 1.0 + 3 * spot._step_seconds
+    assert spot.run_between_rollouts(policy, rollout_seconds=0.0).steps == 0
+
+
+def test_budget_follows_acceptance():
+    """Full share while a new head warms up and while acceptance moves; a quarter on a plateau; nothing (then a
+    probe after 1, 2, 4 skipped phases) for a drafter below min_acceptance. Mutation: drop the trend rule in
+    `SpotBudget.share` and the falling case gets the plateau share."""
+    budget = SpotBudget(time_budget=1.0, warmup_phases=2)
+    for value in (1.0, 1.0):  # warm-up: full share whatever it measures
+        budget.observe(value)
+        assert budget.share == 1.0
+    budget.observe(1.0)  # flat and below min_acceptance: does not pay
+    assert budget.share == 0.0 and budget.seconds(10.0) <= 0
+    assert [budget.skips_phase() for _ in range(2)] == [True, False]  # skip 1, then probe
+    budget.observe(1.0)
+    budget.seconds(10.0)
+    assert [budget.skips_phase() for _ in range(3)] == [True, True, False]  # skip 2, then probe
+    rising = SpotBudget(time_budget=1.0)
+    for value in (2.0, 3.0, 4.0):
+        rising.observe(value)
+    assert rising.share == 1.0
+    for _ in range(60):
+        rising.observe(4.0)
+    assert rising.share == rising.plateau_share
+    assert rising.seconds(8.0) == pytest.approx(8.0 * rising.plateau_share)
+    rising.observe(2.5)  # the policy drifted: acceptance falls
+    assert rising.share == 1.0
 
 
 def _two_ranks(rank, init_file, results, policy_state):
@@ -193,19 +230,17 @@ def test_a_dead_or_hung_rank_is_an_error_naming_rank_and_phase(policy, failure, 
 
 
 def test_cold_start_schedule():
-    """A new head starts at a high learning rate and more steps per rollout, and settles into the warm regime."""
-    warm = SpotSchedule(learning_rate=3e-5, steps_per_rollout=4, warmup_steps=1)
+    """A new head starts at a high learning rate and settles into the warm regime."""
+    warm = SpotSchedule(learning_rate=3e-5, warmup_steps=1)
     assert warm.learning_rate_at(0) == warm.learning_rate_at(500) == 3e-5
-    assert warm.steps_per_rollout_at(0) == 4
-    cold = SpotSchedule(learning_rate=3e-5, steps_per_rollout=4, cold_steps=100, warmup_steps=1)
-    assert cold.learning_rate_at(0) == pytest.approx(2e-3) and cold.steps_per_rollout_at(0) == 16
-    assert 3e-5 < cold.learning_rate_at(50) < 2e-3 and cold.steps_per_rollout_at(50) == 10  # halfway
+    cold = SpotSchedule(learning_rate=3e-5, cold_steps=100, warmup_steps=1)
+    assert cold.learning_rate_at(0) == pytest.approx(2e-3)
+    assert 3e-5 < cold.learning_rate_at(50) < 2e-3  # halfway
     assert cold.learning_rate_at(100) == cold.learning_rate_at(400) == pytest.approx(3e-5)
-    assert cold.steps_per_rollout_at(100) == 4
     rates = [cold.learning_rate_at(s) for s in range(101)]
     assert all(a >= b for a, b in zip(rates, rates[1:]))  # monotone cosine
     # the optimizer follows the schedule, and a resumed trainer continues it
     tokenizer = build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120)
     head = Eagle3Model.for_policy(build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=3))
     spot = SpotTrainer(head, DataBuffer(), schedule=cold)
-    assert spot.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3) and spot.steps_per_rollout == 16
+    assert spot.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)

@@ -195,7 +195,7 @@ def test_speculative_trees_adds_tree_arms(tiny_model_dirs, tmp_path, drafter_typ
         TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, speculative_trees=True, **extra
     )
     tree_arms = [arm for arm in trainer.tlt_speculation.arms if len(arm) == 4]
-    assert tree_arms == ([("default", 4, 2, 8), ("default", 4, 4, 16)] if drafter_type != "ngram" else [])
+    assert tree_arms == ([("default", 6, 2, 12), ("default", 6, 4, 24)] if drafter_type != "ngram" else [])
 
 
 def test_plain_grpo_config_gets_tlt_defaults(tiny_model_dirs, tmp_path):
@@ -242,15 +242,21 @@ def test_vllm_speculative_config_from_tlt_config():
     assert ngram["method"] == "ngram" and ngram["prompt_lookup_max"] >= ngram["prompt_lookup_min"] >= 1
 
 
-def test_unsupported_generation_kwargs_are_rejected(tiny_model_dirs, tmp_path):
-    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
-        train_one_step(
-            TLTGRPOTrainer,
-            TLTConfig,
-            tiny_model_dirs["qwen2"],
-            tmp_path,
-            generation_kwargs={"no_repeat_ngram_size": 3},
-        )
+def test_unreproducible_generation_kwargs_fall_back_to_grpo_generation(tiny_model_dirs, tmp_path, monkeypatch):
+    """A plain swap never refuses a GRPOConfig GRPOTrainer accepts: settings the engine cannot reproduce exactly
+    (TRL's own test passes num_beams=2 with sampling) generate with GRPOTrainer's code, one warning, no spot training."""
+    calls = []
+    original = GRPOTrainer._generate_single_turn
+
+    def recorded(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", recorded)
+    kwargs = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1, "no_repeat_ngram_size": 3}
+    trainer = train_one_step(TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, generation_kwargs=kwargs)
+    assert "num_beams" in trainer.tlt_fallback_reason and "no_repeat_ngram_size" in trainer.tlt_fallback_reason
+    assert calls and trainer.tlt_drafter is None and trainer.tlt_spot is None
 
 
 def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, tmp_path):

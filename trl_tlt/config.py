@@ -27,8 +27,18 @@ class TLTConfig(GRPOConfig):
             With `drafter_type="eagle3"`: a warm-start EAGLE-3 checkpoint (from `trl-tlt train-drafter` or
             `save_drafter`); `None` = a new head for the policy (it accepts almost nothing until trained: set
             `spot_training=True` or warm-start it). With `drafter_type="model"`: path or Hub id of the drafter LM (required).
-        num_speculative_tokens (`int`, *optional*, defaults to `4`):
-            Draft length k with `speculative_selector="fixed"`; the largest k the bandit may choose otherwise.
+        num_speculative_tokens (`int`, *optional*, defaults to `6`):
+            Draft length k with `speculative_selector="fixed"`; the longest draft the bandit explores otherwise (it
+            plays k in `BANDIT_DRAFT_LENGTHS` up to this one). 6: the fastest EAGLE-3 chain at batch 1, 8 and 64 in
+            docs/benchmarks/rollout_cpu.json. vLLM colocate speculates this many tokens.
+        draft_vocab_size (`int` or `None`, *optional*, defaults to `None`):
+            Draft vocabulary of a new EAGLE-3 head: it drafts and trains over this many of the policy's tokens, chosen
+            from those the policy emits in its rollouts and revised as it moves (`d2t`, as vLLM and SGLang load it;
+            docs/drafters.md). A drafter step's cost then does not grow with the policy's vocabulary. `None`:
+            `min(policy vocabulary, 32768)` (what EAGLE-3 and SpecForge use). A warm-started head keeps its own.
+        drafter_ttt_length (`int`, *optional*, defaults to `4`):
+            Unrolled draft steps the EAGLE-3 head trains on (training-time test); a drafter step's cost grows with it.
+            Independent of the draft length: a head trained at 4 drafts fastest at k=6 (docs/benchmarks.md).
         speculative_selector (`str`, *optional*, defaults to `"bandit"`):
             `"bandit"`: choose per decode step, per active-batch-size bucket, whether and how far to speculate
             (epsilon-greedy, maximises tokens per second). `"fixed"`: speculate `num_speculative_tokens` at every
@@ -50,9 +60,14 @@ class TLTConfig(GRPOConfig):
         spot_training (`bool` or `None`, *optional*, defaults to `None`):
             Train the drafter online on the policy's recent rollouts (`drafter_type="eagle3"` or `"model"`). With
             several processes, each rank trains while its own rollouts are done and other ranks still generate,
-            and the ranks' drafters are merged before the next rollout; with one process, `spot_steps_per_rollout`
-            steps run between rollouts (their time is reported as `tlt/spot_seconds`). `None`: on whenever the
+            and the ranks' drafters are merged before the next rollout; with one process, drafter steps run between
+            rollouts within `spot_time_budget` (their time is reported as `tlt/spot_seconds`). `None`: on whenever the
             drafter has weights and the trainer holds it (trl-tlt's engine or vLLM colocate), off otherwise.
+        spot_time_budget (`float`, *optional*, defaults to `0.25`):
+            With one process: drafter training between two rollouts takes at most this many seconds per second of the
+            rollout. How much of it a phase spends follows the drafter's measured acceptance (docs/spot.md): all of it
+            for a new head and while acceptance falls or rises, a quarter on a plateau, none (with a probe now and
+            then) for a drafter that accepts too little to pay. `0` = never train between rollouts.
         spot_buffer_steps (`int`, *optional*, defaults to `2`):
             Rollouts kept in the drafter's data buffer (TLT's one-step offset: the current and the previous one).
         spot_buffer_max_tokens (`int`, *optional*, defaults to `262144`):
@@ -62,13 +77,13 @@ class TLTConfig(GRPOConfig):
             boundary once the other ranks are done, so smaller steps delay them less.
         spot_learning_rate (`float`, *optional*, defaults to `3e-5`):
             AdamW learning rate of the drafter in the warm regime (after 10 warm-up steps, and after the cold start).
-        spot_steps_per_rollout (`int`, *optional*, defaults to `4`):
-            Drafter steps between two rollouts when there is a single process (no idle rank), in the warm regime.
+        spot_steps_per_rollout (`int` or `None`, *optional*, defaults to `None`):
+            With one process: exactly this many drafter steps between two rollouts, instead of `spot_time_budget`
+            (a count that does not depend on timing). `None`: the time budget decides.
         spot_cold_start_steps (`int` or `None`, *optional*, defaults to `None`):
             Drafter steps of a new head's cold start: the learning rate starts at 2e-3 (what offline warm starts use)
-            and the steps per rollout at 8x `spot_steps_per_rollout`, then both follow a cosine down to the warm
-            regime over this many drafter steps. `None`: 600 for a new EAGLE-3 head (no
-            `drafter_model_name_or_path`), 0 (no cold start) for a warm-started head or a drafter LM.
+            and follows a cosine down to `spot_learning_rate` over this many drafter steps. `None`: 600 for a new
+            EAGLE-3 head (no `drafter_model_name_or_path`), 0 (no cold start) for a warm-started head or a drafter LM.
         micro_batching (`str`, *optional*, defaults to `"length_grouped"`):
             How the training phase lays out completions (every forward over them: the loss, old and reference
             log-probs). `"trimmed"`: each forward runs at its own rows' longest completion instead of the generation
@@ -96,7 +111,14 @@ class TLTConfig(GRPOConfig):
         metadata={"help": "Warm-start EAGLE-3 checkpoint (eagle3; None = new head) or the drafter LM (model)."},
     )
     num_speculative_tokens: int = field(
-        default=4, metadata={"help": "Draft length k (fixed selector), or the largest k the bandit may choose."}
+        default=6, metadata={"help": "Draft length k (fixed selector), or the longest draft the bandit explores."}
+    )
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "Draft vocabulary of a new EAGLE-3 head (None: min(policy vocabulary, 32768))."},
+    )
+    drafter_ttt_length: int = field(
+        default=4, metadata={"help": "Unrolled draft steps the EAGLE-3 head trains on (training-time test)."}
     )
     speculative_selector: str = field(
         default="bandit",
@@ -120,14 +142,19 @@ class TLTConfig(GRPOConfig):
         default=None,
         metadata={"help": "Train the drafter online on recent rollouts (None: whenever the drafter has weights)."},
     )
+    spot_time_budget: float = field(
+        default=0.25,
+        metadata={"help": "One process: drafter-training seconds between rollouts per second of rollout, at most."},
+    )
     spot_buffer_steps: int = field(default=2, metadata={"help": "Rollouts kept in the drafter's data buffer."})
     spot_buffer_max_tokens: int = field(
         default=262_144, metadata={"help": "Memory budget of the drafter's data buffer, in tokens."}
     )
     spot_tokens_per_step: int = field(default=256, metadata={"help": "Packed tokens per drafter optimizer step."})
     spot_learning_rate: float = field(default=3e-5, metadata={"help": "Learning rate of the drafter (AdamW)."})
-    spot_steps_per_rollout: int = field(
-        default=4, metadata={"help": "Drafter steps between rollouts with a single process."}
+    spot_steps_per_rollout: int | None = field(
+        default=None,
+        metadata={"help": "One process: this many drafter steps between rollouts, instead of the time budget."},
     )
     spot_cold_start_steps: int | None = field(
         default=None,
@@ -185,7 +212,15 @@ class TLTConfig(GRPOConfig):
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if self.spot_cold_start_steps is not None and self.spot_cold_start_steps < 0:
             raise ValueError(f"`spot_cold_start_steps` must be >= 0, got {self.spot_cold_start_steps}.")
-        if self.spot_steps_per_rollout < 0:
-            raise ValueError(f"`spot_steps_per_rollout` must be >= 0, got {self.spot_steps_per_rollout}.")
+        if self.spot_steps_per_rollout is not None and self.spot_steps_per_rollout < 0:
+            raise ValueError(f"`spot_steps_per_rollout` must be >= 0 or None, got {self.spot_steps_per_rollout}.")
+        if self.spot_time_budget < 0:
+            raise ValueError(
+                f"`spot_time_budget` must be >= 0 (0 = no training between rollouts), got {self.spot_time_budget}."
+            )
+        if self.drafter_ttt_length < 1:
+            raise ValueError(f"`drafter_ttt_length` must be >= 1, got {self.drafter_ttt_length}.")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"`draft_vocab_size` must be >= 1 or None, got {self.draft_vocab_size}.")
         if self.spot_learning_rate <= 0:
             raise ValueError(f"`spot_learning_rate` must be > 0, got {self.spot_learning_rate}.")

@@ -5,8 +5,8 @@ policy fine-tuned so that a second solution style is in its support, and its war
 `style_reward` (1 for a correct answer, times 1.5 in the "Step 1: 7+13=20" style) moves the policy to that style
 while the reward rises, so a drafter frozen at the start goes stale. Then:
 
-1. runs GRPO with `TLTGRPOTrainer` (EAGLE-3 drafter trained online between rollouts, in the drift scenario at
-   `spot_learning_rate=3e-4` with 8 drafter steps per rollout; bandit selector), printing a
+1. runs GRPO with `TLTGRPOTrainer` (EAGLE-3 drafter trained online between rollouts with `TLTConfig`'s defaults;
+   bandit selector), printing a
    per-step table (reward, rollout seconds, acceptance length, speculated fraction, drafter loss) under a progress
    bar, logging to TensorBoard, and every `--eval-every` steps measuring the acceptance length of the adaptive drafter
    and of a frozen copy of the starting one on the same held-out prompts;
@@ -48,13 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--spot-learning-rate",
         type=float,
         default=None,
-        help="Drafter learning rate (default: 3e-4 in the drift scenario, TLTConfig's 3e-5 in the embedded one).",
+        help="Drafter learning rate (default: TLTConfig's).",
     )
     parser.add_argument(
         "--spot-steps-per-rollout",
         type=int,
         default=None,
-        help="Drafter steps between rollouts (default: 8 in the drift scenario, TLTConfig's 4 in the embedded one).",
+        help="A fixed number of drafter steps between rollouts (default: TLTConfig's time budget).",
     )
     parser.add_argument("--output-dir", default=None, help="Where to write the run (default: a temporary folder).")
     parser.add_argument("--plots-dir", default=None, help="Where to write the PNG plots (default: OUTPUT_DIR/plots).")
@@ -190,17 +190,13 @@ def main(argv=None) -> dict:
 
     print(f"== TLTGRPOTrainer: {args.steps} steps, EAGLE-3 drafter trained between rollouts ==", flush=True)
     drafter_kwargs = {"drafter_model_name_or_path": drafter_path} if drafter_path else {}
-    # Under drift the drafter must keep pace with a policy that moves every step: TLTConfig's spot defaults (tuned to
-    # leave a warm head unharmed on a stable policy) lag it (docs/spot.md), so the drift scenario trains harder.
-    spot = {"spot_learning_rate": 3e-4, "spot_steps_per_rollout": 8} if args.scenario == "drift" else {}
+    spot = {}  # TLTConfig's defaults unless asked otherwise
     if args.spot_learning_rate is not None:
         spot["spot_learning_rate"] = args.spot_learning_rate
     if args.spot_steps_per_rollout is not None:
         spot["spot_steps_per_rollout"] = args.spot_steps_per_rollout
     config = TLTConfig(
         output_dir=output_dir,
-        drafter_type="eagle3",
-        spot_training=True,
         **drafter_kwargs,
         **spot,
         **common,

@@ -9,9 +9,14 @@ exponentially weighted mean of the reward
 estimated as a ratio of exponentially discounted sums (tokens / seconds, not a mean of per-step ratios, which
 would overrate noisy arms), so the policy's and the drafter's drift is forgotten (`decay`). Wall time makes the
 choices, and so the random stream and the completions, differ from run to run; with a `cost_model` the step's
-cost is modelled instead (deterministic: a seed fixes the completions), at the price of ignoring the hardware. Each step plays an untried arm of the bucket
-first, then explores a random arm with probability `epsilon`, else the arm with the best mean. Cheap: pure
-Python on numbers the engine already has on the host; no extra device synchronisation.
+cost is modelled instead (deterministic: a seed fixes the completions), at the price of ignoring the hardware.
+
+Exploration is local: each drafter's arms form a ladder (chains by k, then trees by depth and top-k), whose first
+rung neighbours "no speculation". A step plays an untried neighbour of the bucket's best arm first, then, with
+probability `epsilon`, a random neighbour, else the best arm. A drafter that does not pay is thus only ever tried at
+its cheapest rung (k = 1: one draft, a two-position verification), never at k = 8: exploring costs little where
+speculation loses, and the bandit still climbs to a long draft, one rung at a time, where it wins. Cheap: pure Python
+on numbers the engine already has on the host; no extra device synchronisation.
 """
 
 from __future__ import annotations
@@ -24,9 +29,31 @@ from dataclasses import dataclass, field
 from .engine import Arm, SpeculationPolicy
 
 
+# Draft lengths the trainer's bandit plays (up to `num_speculative_tokens`, which is always played): short ones pay at
+# large batch sizes, long ones in the tail.
+BANDIT_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
+
+
 def batch_size_bucket(batch_size: int) -> int:
     """Upper bound of the power-of-two bucket: 1 -> 1, 2 -> 2, 3..4 -> 4, 5..8 -> 8, ..."""
     return 1 << max(batch_size - 1, 0).bit_length()
+
+
+def ladder_neighbours(arms: list[Arm]) -> dict[Arm, list[Arm]]:
+    """Each arm's neighbours: the rungs next to it on its drafter's ladder (chains by k, then trees by depth, top-k
+    and verified nodes); the first rung of every ladder and "no speculation" (None, 0) neighbour each other."""
+    ladders: dict[str | None, list[Arm]] = defaultdict(list)
+    for arm in arms:
+        if arm[1] > 0:
+            ladders[arm[0]].append(arm)
+    neighbours: dict[Arm, list[Arm]] = {(None, 0): []}
+    for ladder in ladders.values():
+        ladder.sort(key=lambda a: (len(a), *a[1:]))
+        neighbours[(None, 0)].append(ladder[0])
+        for i, arm in enumerate(ladder):
+            below = ladder[i - 1] if i else (None, 0)
+            neighbours[arm] = [below, *ladder[i + 1 : i + 2]]
+    return neighbours
 
 
 @dataclass
@@ -72,15 +99,19 @@ class BanditSpeculation(SpeculationPolicy):
         self.arms = list(dict.fromkeys(arms))
         self._rng = random.Random(self.seed)
         self._stats: dict[int, dict[Arm, _ArmStats]] = defaultdict(lambda: {a: _ArmStats() for a in self.arms})
+        self._neighbours = ladder_neighbours(self.arms)
 
     def choose(self, batch_size: int) -> Arm:
         stats = self._stats[batch_size_bucket(batch_size)]
-        untried = [a for a in self.arms if stats[a].count == 0]
+        tried = [a for a in self.arms if stats[a].count]
+        best = max(tried, key=lambda a: stats[a].rate) if tried else self.arms[0]
+        near = self._neighbours[best]
+        untried = [a for a in (best, *near) if stats[a].count == 0]
         if untried:
             return untried[0]
-        if self._rng.random() < self.epsilon:
-            return self._rng.choice(self.arms)
-        return max(self.arms, key=lambda a: stats[a].rate)
+        if near and self._rng.random() < self.epsilon:
+            return self._rng.choice(near)
+        return best
 
     def update(self, batch_size: int, arm: Arm, num_emitted_tokens: int, seconds: float) -> None:
         s = self._stats[batch_size_bucket(batch_size)][tuple(arm)]

