@@ -6,8 +6,8 @@ Three set-ups, each trainer run back to back on the same prompts and seed (the o
   merges of non-ASCII byte symbols, `trl_tlt.tiny.extend_vocabulary`) and random weights shaped like TRL's tiny test
   models (hidden 8, 2 layers); 8 prompts x 4, 32 completion tokens, 10 steps. `bigvocab_wall_ratio` = TLT / GRPO wall
   time (construction + `train()`), first step included.
-- `bigvocab_trained`: the embedded SFT policy with the same extended vocabulary, its new output rows fitted by a short
-  SFT (cached); same shape of run. `bigvocab_trained_step_ratio` = GRPO / TLT median step time over steps 5-10.
+- `bigvocab_trained`: the embedded SFT policy with the same extended vocabulary, its new output rows fitted so that
+  it does not emit them (cached); same shape of run. `bigvocab_trained_step_ratio` = GRPO / TLT median step time over steps 5-10.
 - `drift`: the drift scenario's start policy, `style_reward`, 8 prompts x 8, 30 steps, no drafter given (a new
   EAGLE-3 head). `default_step_ratio` / `default_early_step_ratio` = GRPO / TLT median step over steps 10-30 / 1-10;
   `default_adaptive_over_frozen` = the online head's acceptance length at the end over that of a copy frozen at
@@ -19,6 +19,7 @@ Three set-ups, each trainer run back to back on the same prompts and seed (the o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -34,7 +35,7 @@ from _bench import machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from trl_tlt import TLTGRPOTrainer  # noqa: E402
+from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
 from trl_tlt.drafter_training import evaluate_acceptance  # noqa: E402
 from trl_tlt.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
@@ -46,10 +47,10 @@ from trl_tlt.workload import (  # noqa: E402
     build_policy,
     default_cache_dir,
     drift_rewards,
+    encode_sft_example,
     make_dataset,
     prompt_token_ids,
     sft_dataset,
-    train_sft,
 )
 
 
@@ -69,8 +70,16 @@ class StepTimes(TrainerCallback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def grpo_config(output_dir: str, steps: int, prompts: int, generations: int, completion: int, seed: int, **extra):
-    return GRPOConfig(
+TRAINERS = ["grpo", "tlt"]  # --trainers
+TLT_ARGS: dict = {}  # --tlt-args: TLTConfig fields for the TLT runs (none: a plain swap, every default)
+
+
+def grpo_config(
+    output_dir: str, steps: int, prompts: int, generations: int, completion: int, seed: int, tlt: bool = False, **extra
+) -> GRPOConfig:
+    """The run's GRPOConfig (the TLT trainer turns it into a TLTConfig with every default), or a TLTConfig with
+    `TLT_ARGS` when there are any."""
+    kwargs = dict(
         output_dir=output_dir,
         use_cpu=True,
         bf16=False,
@@ -86,6 +95,7 @@ def grpo_config(output_dir: str, steps: int, prompts: int, generations: int, com
         disable_tqdm=True,
         **extra,
     )
+    return TLTConfig(**kwargs, **TLT_ARGS) if tlt and TLT_ARGS else GRPOConfig(**kwargs)
 
 
 def run_trainer(trainer_cls, policy_path: str, config: GRPOConfig, dataset, rewards, probe=None) -> dict:
@@ -136,28 +146,53 @@ def random_bigvocab_policy(folder: str) -> str:
     return folder
 
 
-def trained_bigvocab_policy(sft_steps: int = 150) -> str:
-    """The embedded SFT policy with Qwen2.5's vocabulary size: the tokenizer extended (ASCII text keeps its ids), the
-    new embedding and output rows added, then `sft_steps` more SFT steps so the policy learns not to emit them
-    (cached beside the embedded policy)."""
+def trained_bigvocab_policy() -> tuple[str, dict]:
+    """The embedded SFT policy with Qwen2.5's vocabulary size (cached beside it): the tokenizer extended (ASCII text
+    keeps its ids), and the new output rows fitted so that the policy does not emit them: one row vector v, shared
+    by every new token (plus noise of 1e-3), minimising the new tokens' total probability on the SFT data's positions
+    (a 128-parameter fit of what an SFT would teach those rows). Returns the path and the new tokens' probability
+    mass after the fit (mean and max over positions)."""
     base = build_policy()
-    path = default_cache_dir() / f"{base.name}-vocab{QWEN25_VOCAB_SIZE}-sft{sft_steps}"
-    if (path / "config.json").exists():
-        return str(path)
-    tokenizer = extend_vocabulary(AutoTokenizer.from_pretrained(base), QWEN25_VOCAB_SIZE)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    with torch.no_grad():  # new output rows start far below any real token's logit
-        old = model.get_output_embeddings().weight[: AutoTokenizer.from_pretrained(base).__len__()]
-        model.get_output_embeddings().weight[old.size(0) :] = old.mean(0) - 3 * old.std(0)
-    recipe = PolicyRecipe()
-    data = sft_dataset(recipe).select(range(sft_steps * recipe.sft_batch_size))
-    train_sft(model, tokenizer, data, recipe.sft_batch_size, 3e-4, seed=1)
+    path = default_cache_dir() / f"{base.name}-vocab{QWEN25_VOCAB_SIZE}"
+    report_path = path / "extension.json"
+    if report_path.is_file():
+        return str(path), json.loads(report_path.read_text())
+    small = AutoTokenizer.from_pretrained(base)
+    tokenizer = extend_vocabulary(small, QWEN25_VOCAB_SIZE)
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    data = sft_dataset(PolicyRecipe()).select(range(256))
+    with torch.no_grad():  # the policy's last (normed) hidden states at every position
+        hidden = torch.cat([
+            model.model(torch.tensor([encode_sft_example(small, p, c)[0]])).last_hidden_state[0]
+            for p, c in zip(data["prompt"], data["completion"])
+        ])  # fmt: skip
+        real = torch.logsumexp(hidden @ model.get_output_embeddings().weight.T, dim=-1)
+    num_new = QWEN25_VOCAB_SIZE - len(small)
+    log_new = torch.log(torch.tensor(float(num_new)))
+    v = model.get_output_embeddings().weight.detach().mean(0).clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([v], lr=0.05)
+
+    def new_mass():  # per position: the new tokens' share of probability
+        junk = hidden @ v + log_new
+        return torch.exp(junk - torch.logaddexp(real, junk))
+
+    for _ in range(500):
+        optimizer.zero_grad()
+        new_mass().mean().backward()
+        optimizer.step()
+    with torch.no_grad():
+        mass = new_mass()
+        report = {"new_token_mass_mean": float(mass.mean()), "new_token_mass_max": float(mass.max())}
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        generator = torch.Generator().manual_seed(0)
+        rows = model.get_output_embeddings().weight[len(small) :]
+        rows.copy_(v + 1e-3 * torch.randn(rows.shape, generator=generator))
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / "extension.json").write_text(json.dumps(report))
     tmp.rename(path)
-    return str(path)
+    return str(path), report
 
 
 def pair(name: str, policy_path: str, config_for, dataset, rewards, repeats: int, probe=None) -> dict:
@@ -165,11 +200,16 @@ def pair(name: str, policy_path: str, config_for, dataset, rewards, repeats: int
     runs = {"grpo": [], "tlt": []}
     for repeat in range(repeats):
         order = ("grpo", "tlt") if repeat % 2 == 0 else ("tlt", "grpo")
-        for trainer in order:
+        for trainer in (t for t in order if t in TRAINERS):
             with tempfile.TemporaryDirectory() as out:
                 cls = GRPOTrainer if trainer == "grpo" else TLTGRPOTrainer
                 result = run_trainer(
-                    cls, policy_path, config_for(out), dataset, rewards, probe if trainer == "tlt" else None
+                    cls,
+                    policy_path,
+                    config_for(out, trainer == "tlt"),
+                    dataset,
+                    rewards,
+                    probe if trainer == "tlt" else None,
                 )
             result.pop("trainer")
             runs[trainer].append(result)
@@ -186,23 +226,26 @@ def bench_bigvocab(args, result: dict) -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = random_bigvocab_policy(folder)
         dataset = make_dataset(8 * args.bigvocab_steps, seed=11)
-        runs = pair("bigvocab", path, lambda out: grpo_config(out, args.bigvocab_steps, 8, 4, 32, 0), dataset,
+        runs = pair("bigvocab", path, lambda out, tlt: grpo_config(out, args.bigvocab_steps, 8, 4, 32, 0, tlt), dataset,
                     accuracy_reward, args.repeats)  # fmt: skip
     result["bigvocab"] = {"policy": "random, hidden 8, 2 layers, vocab 151,665", "batch": "8 prompts x 4",
                           "max_completion_length": 32, "steps": args.bigvocab_steps, "runs": runs}  # fmt: skip
-    result["bigvocab_wall_ratio"] = sum(r["wall_seconds"] for r in runs["tlt"]) / sum(
-        r["wall_seconds"] for r in runs["grpo"]
-    )
-    print(f"bigvocab_wall_ratio {result['bigvocab_wall_ratio']:.3f}", flush=True)
+    if all(runs.values()):
+        result["bigvocab_wall_ratio"] = sum(r["wall_seconds"] for r in runs["tlt"]) / sum(
+            r["wall_seconds"] for r in runs["grpo"]
+        )
+        print(f"bigvocab_wall_ratio {result['bigvocab_wall_ratio']:.3f}", flush=True)
 
 
 def bench_bigvocab_trained(args, result: dict) -> None:
-    path = trained_bigvocab_policy()
+    path, extension = trained_bigvocab_policy()
     dataset = make_dataset(8 * args.bigvocab_steps, seed=12)
-    runs = pair("bigvocab_trained", path, lambda out: grpo_config(out, args.bigvocab_steps, 8, 4, 32, 0), dataset,
+    runs = pair("bigvocab_trained", path, lambda out, tlt: grpo_config(out, args.bigvocab_steps, 8, 4, 32, 0, tlt), dataset,
                 accuracy_reward, args.repeats)  # fmt: skip
-    result["bigvocab_trained"] = {"policy": os.path.basename(path), "batch": "8 prompts x 4",
+    result["bigvocab_trained"] = {"policy": os.path.basename(path), **extension, "batch": "8 prompts x 4",
                                   "max_completion_length": 32, "steps": args.bigvocab_steps, "runs": runs}  # fmt: skip
+    if not all(runs.values()):
+        return
     grpo, tlt = median_steps(runs["grpo"], 5, 10), median_steps(runs["tlt"], 5, 10)
     result["bigvocab_trained_step_ratio"] = grpo / tlt
     result["bigvocab_trained_per_step_ratio"] = [
@@ -245,14 +288,18 @@ def bench_drift(args, result: dict) -> None:
         probes.append(FreezeAndCompare(trainer, held_out, 10, 512))
         return probes[-1]
 
-    def config_for(out):
-        return grpo_config(out, args.drift_steps, 8, 8, 512, 0, learning_rate=3e-5,
+    def config_for(out, tlt):
+        return grpo_config(out, args.drift_steps, 8, 8, 512, 0, tlt, learning_rate=3e-5,
                            reward_weights=rewards["reward_weights"])  # fmt: skip
 
     runs = pair("drift", policy_path, config_for, dataset, rewards["reward_funcs"], 1, probe)
     result["drift"] = {"policy": os.path.basename(policy_path), "batch": "8 prompts x 8", "max_completion_length": 512,
                        "steps": args.drift_steps, "runs": runs, "acceptance_k6_end": probes[0].result,
                        "frozen_at_step": 10}  # fmt: skip
+    print(f"drift TLT median step 1-10 {median_steps(runs['tlt'], 1, 10):.2f}s, 10-30 "
+          f"{median_steps(runs['tlt'], 10, 30):.2f}s, acceptance at the end {probes[0].result}", flush=True)  # fmt: skip
+    if not all(runs.values()):
+        return
     result["default_step_ratio"] = median_steps(runs["grpo"], 10, 30) / median_steps(runs["tlt"], 10, 30)
     result["default_early_step_ratio"] = median_steps(runs["grpo"], 1, 10) / median_steps(runs["tlt"], 1, 10)
     result["default_adaptive_over_frozen"] = probes[0].result["adaptive"] / probes[0].result["frozen"]
@@ -265,10 +312,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each trainer (big-vocabulary parts)")
     parser.add_argument("--bigvocab-steps", type=int, default=10)
     parser.add_argument("--drift-steps", type=int, default=30)
+    parser.add_argument("--trainers", default="grpo,tlt", help="run only some: e.g. tlt, to sweep --tlt-args")
+    parser.add_argument("--tlt-args", default="{}", help="TLTConfig fields (JSON) for the TLT runs; {} = defaults")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
+    TLT_ARGS.update(json.loads(args.tlt_args))
+    TRAINERS[:] = args.trainers.split(",")
     torch.set_num_threads(os.cpu_count() or 1)
-    result = {"benchmark": "plain_swap", "machine": machine(), "command": " ".join(["python", *sys.argv])}
+    result = {"benchmark": "plain_swap", "machine": machine(), "command": " ".join(["python", *sys.argv]),
+              "tlt_args": TLT_ARGS}  # fmt: skip
     start = time.perf_counter()
     parts = {"bigvocab": bench_bigvocab, "bigvocab_trained": bench_bigvocab_trained, "drift": bench_drift}
     for part in args.parts.split(","):

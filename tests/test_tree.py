@@ -163,7 +163,10 @@ def test_bandit_mixes_chain_and_tree_arms_losslessly(tiny_model_f64, tokenizer):
     expected = hf_greedy(model, prompts, max_new_tokens=20)
     drafters = {"lm": ModelDrafter(model, model.config.vocab_size), "ngram": NgramDrafter()}
     arms = [("lm", 2), tree_arm("lm", 3, 2, 5), ("ngram", 2)]
-    engine = SpeculativeEngine(model, drafter=drafters, speculation=BanditSpeculation(arms=arms, epsilon=0.5))
+    # Every step costs the same (cost_model): the arms that emit more tokens win, so the bandit's local exploration
+    # climbs from no speculation to the chain and on to its neighbour, the tree, whatever the machine's timing.
+    selector = BanditSpeculation(arms=arms, epsilon=0.5, cost_model=lambda arm: 1.0)
+    engine = SpeculativeEngine(model, drafter=drafters, speculation=selector)
     out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=20, eos_token_ids=(EOS,)))
     assert out.completion_ids == expected
     assert {2, 3} <= set(out.stats.num_speculative_tokens)  # chain and tree steps both ran

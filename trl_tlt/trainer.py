@@ -322,8 +322,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         draft_vocab_size = min(self.args.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
         head = Eagle3Model.for_policy(policy, draft_vocab_size=draft_vocab_size)
         head = head.to(dtype=policy.get_input_embeddings().weight.dtype)
-        if not head.exportable:
-            logger.warning(
+        if not head.exportable:  # save_drafter and use_vllm=True refuse it by name: said once, quietly, here
+            logger.info(
                 f"The policy has {policy.config.get_text_config().num_hidden_layers} decoder layers; an EAGLE-3 head for "
                 f"vLLM or SGLang needs 3 distinct ones. This head reads layers {head.aux_layer_ids}: it drafts and trains "
                 "here and checkpoints keep it (trl-tlt's layout), but it cannot be exported (save_drafter) or used "
