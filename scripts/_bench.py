@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import random
+import subprocess
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,17 @@ def machine() -> str:
     return (
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
+
+
+def commit() -> str:
+    """The repository's commit (short), with "+dirty" when tracked files differ from it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=here).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def write_json(result: dict, path: str | None) -> None:

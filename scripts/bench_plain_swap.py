@@ -31,7 +31,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
-from _bench import machine, write_json  # noqa: E402
+from _bench import commit, machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -256,12 +256,15 @@ def bench_bigvocab_trained(args, result: dict) -> None:
 
 
 class FreezeAndCompare(TrainerCallback):
-    """Freezes a copy of the online head at `freeze_at`; at the end, both heads' acceptance length on held-out
-    prompts (k=6 at every step, temperature 1, the trained policy)."""
+    """Freezes a copy of the online head at `freeze_at` (and one at the start); at the end, the heads' acceptance
+    length on held-out prompts (k=6 at every step, temperature 1, the trained policy)."""
 
     def __init__(self, trainer, prompts, freeze_at: int, max_new_tokens: int):
         self.trainer, self.prompts, self.freeze_at, self.frozen, self.result = trainer, prompts, freeze_at, None, {}
         self.max_new_tokens = max_new_tokens
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = self.trainer.tlt_drafter.model.frozen_copy()
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.freeze_at:
@@ -271,7 +274,8 @@ class FreezeAndCompare(TrainerCallback):
         policy = self.trainer.accelerator.unwrap_model(self.trainer.model).eval()
         eos = self.trainer.processing_class.eos_token_id
         params = SamplingParams(temperature=1.0, max_new_tokens=self.max_new_tokens, eos_token_ids=(eos,))
-        for name, head in (("adaptive", self.trainer.tlt_drafter.model), ("frozen", self.frozen)):
+        heads = {"adaptive": self.trainer.tlt_drafter.model, "frozen": self.frozen, "frozen_at_start": self.start}
+        for name, head in heads.items():
             report = evaluate_acceptance(policy, Eagle3Drafter(head), self.prompts, params, k=6, seed=0)
             self.result[name] = report["mean_acceptance_length"]
 
@@ -320,7 +324,7 @@ def main() -> None:
     TRAINERS[:] = args.trainers.split(",")
     torch.set_num_threads(os.cpu_count() or 1)
     result = {"benchmark": "plain_swap", "machine": machine(), "command": " ".join(["python", *sys.argv]),
-              "tlt_args": TLT_ARGS}  # fmt: skip
+              "commit": commit(), "seeds": [0], "tlt_args": TLT_ARGS}  # fmt: skip
     start = time.perf_counter()
     parts = {"bigvocab": bench_bigvocab, "bigvocab_trained": bench_bigvocab_trained, "drift": bench_drift}
     for part in args.parts.split(","):

@@ -63,7 +63,7 @@ class TLTConfig(GRPOConfig):
             and the ranks' drafters are merged before the next rollout; with one process, drafter steps run between
             rollouts within `spot_time_budget` (their time is reported as `tlt/spot_seconds`). `None`: on whenever the
             drafter has weights and the trainer holds it (trl-tlt's engine or vLLM colocate), off otherwise.
-        spot_time_budget (`float`, *optional*, defaults to `0.25`):
+        spot_time_budget (`float`, *optional*, defaults to `0.5`):
             With one process: drafter training between two rollouts takes at most this many seconds per second of the
             rollout. How much of it a phase spends follows the drafter's measured acceptance (docs/spot.md): all of it
             for a new head and while acceptance falls or rises, a quarter on a plateau, none (with a probe now and
@@ -143,7 +143,7 @@ class TLTConfig(GRPOConfig):
         metadata={"help": "Train the drafter online on recent rollouts (None: whenever the drafter has weights)."},
     )
     spot_time_budget: float = field(
-        default=0.25,
+        default=0.5,
         metadata={"help": "One process: drafter-training seconds between rollouts per second of rollout, at most."},
     )
     spot_buffer_steps: int = field(default=2, metadata={"help": "Rollouts kept in the drafter's data buffer."})

@@ -177,7 +177,7 @@ class SpotBudget:
         >>> budget.observe(1.0); budget.seconds(rollout_seconds=4.0)  # 1.0: a new head warms up at full share
     """
 
-    time_budget: float = 0.25
+    time_budget: float = 0.5
     warmup_phases: int = 0
     plateau_share: float = 0.25
     min_acceptance: float = 1.3
