@@ -8,7 +8,8 @@ Three set-ups, each trainer run back to back on the same prompts and seed (the o
   time (construction + `train()`), first step included.
 - `bigvocab_trained`: the embedded SFT policy with the same extended vocabulary, its new output rows fitted so that
   it does not emit them (cached); same shape of run. `bigvocab_trained_step_ratio` = GRPO / TLT median step time over steps 5-10.
-- `drift`: the drift scenario's start policy, `style_reward`, 8 prompts x 8, 30 steps, no drafter given (a new
+- `drift`: the drift scenario's start policy, `style_reward`, 8 prompts x 8 (micro-batches of one group, as in the
+  demo), 30 steps, no drafter given (a new
   EAGLE-3 head). `default_step_ratio` / `default_early_step_ratio` = GRPO / TLT median step over steps 10-30 / 1-10;
   `default_adaptive_over_frozen` = the online head's acceptance length at the end over that of a copy frozen at
   step 10 (after the cold start), on the same held-out prompts (the engine speculating k=6 at every step).
@@ -75,17 +76,28 @@ TLT_ARGS: dict = {}  # --tlt-args: TLTConfig fields for the TLT runs (none: a pl
 
 
 def grpo_config(
-    output_dir: str, steps: int, prompts: int, generations: int, completion: int, seed: int, tlt: bool = False, **extra
+    output_dir: str,
+    steps: int,
+    prompts: int,
+    generations: int,
+    completion: int,
+    seed: int,
+    tlt: bool = False,
+    micro_batch: int | None = None,
+    **extra,
 ) -> GRPOConfig:
     """The run's GRPOConfig (the TLT trainer turns it into a TLTConfig with every default), or a TLTConfig with
-    `TLT_ARGS` when there are any."""
+    `TLT_ARGS` when there are any. One generation of prompts x generations per optimizer step, in micro-batches of
+    `micro_batch` rows (None: one)."""
+    micro_batch = micro_batch or prompts * generations
     kwargs = dict(
         output_dir=output_dir,
         use_cpu=True,
         bf16=False,
         gradient_checkpointing=False,
         report_to="none",
-        per_device_train_batch_size=prompts * generations,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=prompts * generations // micro_batch,
         num_generations=generations,
         max_completion_length=completion,
         max_steps=steps,
@@ -293,7 +305,8 @@ def bench_drift(args, result: dict) -> None:
         return probes[-1]
 
     def config_for(out, tlt):
-        return grpo_config(out, args.drift_steps, 8, 8, 512, 0, tlt, learning_rate=3e-5,
+        # the demo's and bench_e2e's layout: one prompt's group of 8 per micro-batch, 8 per optimizer step
+        return grpo_config(out, args.drift_steps, 8, 8, 512, 0, tlt, micro_batch=8, learning_rate=3e-5,
                            reward_weights=rewards["reward_weights"])  # fmt: skip
 
     runs = pair("drift", policy_path, config_for, dataset, rewards["reward_funcs"], 1, probe)
