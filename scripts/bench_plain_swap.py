@@ -133,7 +133,6 @@ def run_trainer(trainer_cls, policy_path: str, config: GRPOConfig, dataset, rewa
                 "tlt/drafter_eval_acceptance_length", "tlt/rollout_seconds", "tlt/draft_vocab_coverage"):  # fmt: skip
         if any(key in h for h in logs):
             result[key.removeprefix("tlt/")] = [h.get(key) for h in logs]
-    result["trainer"] = trainer
     return result
 
 
@@ -223,7 +222,6 @@ def pair(name: str, policy_path: str, config_for, dataset, rewards, repeats: int
                     rewards,
                     probe if trainer == "tlt" else None,
                 )
-            result.pop("trainer")
             runs[trainer].append(result)
             print(f"{name} {trainer} repeat {repeat}: {result['wall_seconds']:.1f}s, steps "
                   f"{[round(t, 2) for t in result['step_seconds']]}", flush=True)  # fmt: skip

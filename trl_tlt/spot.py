@@ -489,13 +489,11 @@ class SpotTrainer:
         for good, p in zip(self._good, self.params, strict=True):
             good.copy_(p)
 
-    def _timed_step(self, policy: PreTrainedModel) -> float | None:
-        start = time.perf_counter()
-        loss = self.step(policy)
-        seconds = time.perf_counter() - start
-        self.budget.spend(seconds)
-        self._step_seconds = seconds if self._step_seconds is None else 0.5 * (self._step_seconds + seconds)
-        return loss
+    def _may_step(self, steps_taken: int) -> bool:
+        """One process: exactly `steps_per_phase` steps, or steps while the credit covers a step's expected time."""
+        if self.steps_per_phase is not None:
+            return steps_taken < self.steps_per_phase
+        return self.budget.credit > 0 and self.budget.credit >= (self._step_seconds or 0.0)
 
     def run_between_rollouts(self, policy: PreTrainedModel, rollout_seconds: float = 0.0) -> SpotStats:
         """One process: drafter steps within the budget `SpotBudget` gives this phase (`time_budget x
@@ -515,13 +513,12 @@ class SpotTrainer:
         if self.steps_per_phase is None:
             stats.budget_seconds = self.budget.seconds(rollout_seconds)
             self.budget.spend(time.perf_counter() - evaluation_start)
-        while True:
-            if self.steps_per_phase is not None:
-                if stats.steps >= self.steps_per_phase:
-                    break
-            elif self.budget.credit <= 0 or self.budget.credit < (self._step_seconds or 0.0):
-                break
-            loss = self.step(policy) if self.steps_per_phase is not None else self._timed_step(policy)
+        while self._may_step(stats.steps):
+            step_start = time.perf_counter()
+            loss = self.step(policy)
+            seconds = time.perf_counter() - step_start
+            self.budget.spend(seconds)
+            self._step_seconds = seconds if self._step_seconds is None else 0.5 * (self._step_seconds + seconds)
             if loss is None:
                 break
             stats.steps += 1

@@ -26,6 +26,7 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 
 # Qwen2's pre-tokenizer regex (transformers/models/qwen2/tokenization_qwen2.py): digits split one by one.
@@ -109,14 +110,7 @@ def extend_vocabulary(tokenizer: PreTrainedTokenizerFast, vocab_size: int) -> Pr
 
 def _high_symbols() -> list[str]:
     """The byte-level BPE symbols of bytes 0x80-0xFF (GPT-2's byte-to-unicode map): they only occur in non-ASCII text."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    symbol, shifted = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            symbol[byte] = chr(byte)
-        else:
-            symbol[byte] = chr(256 + shifted)
-            shifted += 1
+    symbol = bytes_to_unicode()
     return [symbol[b] for b in range(0x80, 0x100)]
 
 
