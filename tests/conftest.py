@@ -55,3 +55,29 @@ def tiny_model_f64(request, tokenizer):
     return build_tiny_model(
         tokenizer, arch=request.param, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, dtype=torch.float64
     )
+
+
+@pytest.fixture(scope="session")
+def rule_policy(tokenizer, tmp_path_factory):
+    """A policy that learned x[t] = x[t-1] + x[t-2] (mod 50) and a warm-start EAGLE-3 head for it (k = 3), saved
+    (the vLLM tests)."""
+    from test_vllm_smoke import rule_sequences, train_rule_policy
+
+    from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
+    from trl_tlt.drafters.eagle3 import Eagle3Model, eagle3_config
+    from trl_tlt.sampling import SamplingParams
+
+    policy, g = train_rule_policy(tokenizer)
+    head = Eagle3Model(
+        eagle3_config(policy.config, aux_hidden_state_layer_ids=[1, 2, 3]), policy.get_input_embeddings()
+    )
+    head.init_from_policy(policy)
+    prompts = rule_sequences(64, 4, g).tolist()
+    samples = generate_samples(policy, prompts, SamplingParams(temperature=0.7, max_new_tokens=16))
+    config = DistillConfig(ttt_length=3, max_tokens_per_batch=256)
+    train_drafter(policy, head, samples, epochs=4, learning_rate=3e-3, config=config, progress=False)
+    root = tmp_path_factory.mktemp("rule")
+    policy.save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    head.save_pretrained(root / "drafter")
+    return str(root / "policy"), str(root / "drafter")

