@@ -273,6 +273,7 @@ INVALID_CONFIGS = [
     ({"spot_training": True, "drafter_type": "ngram"}, "spot_training"),
     ({"spot_training": True, "use_vllm": True, "vllm_mode": "server"}, "spot_training"),
     ({"vllm_speculative_max_batch_size": -1}, "vllm_speculative_max_batch_size"),
+    ({"vllm_draft_sample_method": "argmax"}, "vllm_draft_sample_method"),
     ({"spot_buffer_steps": 0}, "spot_buffer_steps"),
     ({"spot_buffer_max_tokens": 0}, "spot_buffer_max_tokens"),
     ({"spot_tokens_per_step": 0}, "spot_tokens_per_step"),
