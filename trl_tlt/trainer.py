@@ -604,20 +604,19 @@ class TLTGRPOTrainer(GRPOTrainer):
     def _sampling_logprob_gap(self, output: dict) -> tuple[int, float, bool]:
         """vLLM's sampling logprobs against the policy's, over all ranks: (NaN count, largest per-rank mean |diff|
         over completion tokens, whether any rank's vLLM speculated in this rollout). The policy's are TRL's
-        `old_per_token_logps`, or computed here when TRL skipped them (importance sampling correction off)."""
-        sampling = output.get("sampling_per_token_logps")
-        stats = self.tlt_last_vllm_stats
-        speculated = float(stats is not None)
-        local = torch.tensor([0.0, 0.0, speculated], device=self.accelerator.device)
-        if sampling is not None:
-            old = output.get("old_per_token_logps")
-            if old is None:
-                old = self._policy_logps(output)
-            diff = (old - sampling)[output["completion_mask"].bool()]
-            local[0] = torch.isnan(diff).sum()
-            local[1] = diff.nan_to_num(0.0).abs().mean().nan_to_num(0.0)
-        nans, mean_diff, speculated = self.accelerator.gather(local[None]).to("cpu").T
-        return int(nans.sum()), float(mean_diff.max()), bool(speculated.any())
+        `old_per_token_logps`, or, when TRL skipped them (importance sampling correction off) and vLLM speculated,
+        computed here."""
+        flag = torch.tensor([float(self.tlt_last_vllm_stats is not None)], device=self.accelerator.device)
+        speculated = bool(self.accelerator.gather(flag).any())
+        sampling, old = output.get("sampling_per_token_logps"), output.get("old_per_token_logps")
+        if sampling is None or (old is None and not speculated):
+            return 0, 0.0, speculated  # nothing to check, or nothing the check would change
+        if old is None:
+            old = self._policy_logps(output)
+        diff = (old - sampling)[output["completion_mask"].bool()]
+        local = torch.stack([torch.isnan(diff).sum().float(), diff.nan_to_num(0.0).abs().mean().nan_to_num(0.0)])
+        nans, mean_diff = self.accelerator.gather(local[None]).to("cpu").T
+        return int(nans.sum()), float(mean_diff.max()), speculated
 
     @torch.no_grad()
     def _policy_logps(self, output: dict) -> torch.Tensor:
