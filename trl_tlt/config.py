@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -241,3 +242,15 @@ class TLTConfig(GRPOConfig):
             raise ValueError(f"`draft_vocab_size` must be >= 1 or None, got {self.draft_vocab_size}.")
         if self.spot_learning_rate <= 0:
             raise ValueError(f"`spot_learning_rate` must be > 0, got {self.spot_learning_rate}.")
+
+
+def as_tlt_config(args: GRPOConfig) -> TLTConfig:
+    """A plain `GRPOConfig` gets TLT's defaults (its own, already validated, values are kept as they are)."""
+    if isinstance(args, TLTConfig):
+        return args
+    config = TLTConfig.__new__(TLTConfig)
+    config.__dict__.update(args.__dict__)
+    for f in dataclasses.fields(TLTConfig):
+        if f.name not in args.__dict__:
+            setattr(config, f.name, f.default)
+    return config
