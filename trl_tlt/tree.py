@@ -268,7 +268,14 @@ def draft_tree(
         frontier_slots = m + torch.arange(topk, device=device)[None].expand(batch, topk)
         logq = sample_draft_logprobs(step(tokens.gather(1, best), parent_slots, visible, d), params)
         pool_size += tokens.size(1)
+    return _keep_best(pools, backbone_probs, verify, params)
+
+
+def _keep_best(pools: list[tuple[torch.Tensor, ...]], backbone_probs: list, verify: int, params) -> DraftTree:
+    """The tree `draft_tree` returns, from its per-depth pools (tokens, scores, parents, backbone flags): the
+    backbone, then the best other nodes by score, `verify` in all, in pool (topological) order."""
     tokens, scores, parents, backbone = (torch.cat(x, dim=1) for x in zip(*pools, strict=True))
+    batch, device = tokens.size(0), tokens.device
     # The backbone, then the best others; the stable sort keeps a parent before a child of equal score.
     keep = torch.sort(torch.where(backbone, float("inf"), scores), dim=1, descending=True, stable=True).indices
     keep = keep[:, :verify].sort(dim=1).values  # pool order is topological
