@@ -70,6 +70,30 @@ class GenerationStats:
     def draft_acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    def observe_step(
+        self, active: int, k: int, name: str | None, tree: bool, emitted: int, num_drafts, num_accepted, seconds
+    ) -> None:
+        """Record one decode step: `active` rows, `k` the arm's draft length (0: no draft), `num_drafts` /
+        `num_accepted` (per row) the tokens drafted and accepted, `emitted` tokens in `seconds`."""
+        self.num_target_forwards += 1
+        self.num_tree_steps += tree
+        self.num_emitted_tokens += emitted
+        self.active_batch_sizes.append(active)
+        self.num_speculative_tokens.append(k)
+        self.drafter_names.append(name)
+        self.step_emitted_tokens.append(emitted)
+        self.step_seconds.append(seconds)
+        if k == 0:
+            return
+        self.num_drafts += int((num_drafts > 0).sum())
+        self.num_draft_tokens += int(num_drafts.sum())
+        self.num_accepted_tokens += int(num_accepted.sum())
+        per_pos = torch.bincount(num_accepted, minlength=k + 1).flip(0).cumsum(0).flip(0)[1:]
+        if len(self.num_accepted_tokens_per_pos) < k:
+            self.num_accepted_tokens_per_pos += [0] * (k - len(self.num_accepted_tokens_per_pos))
+        for j, count in enumerate(per_pos.tolist()):
+            self.num_accepted_tokens_per_pos[j] += count
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["mean_acceptance_length"] = self.mean_acceptance_length
@@ -97,6 +121,36 @@ def tree_arm(drafter: str | None, depth: int, topk: int, verify: int) -> Arm:
     if verify > most:
         raise ValueError(f"A tree {depth} deep with topk={topk} drafts {most} nodes at most; got verify={verify}.")
     return (drafter, depth, topk, verify)
+
+
+@dataclass
+class _Run:
+    """The state of one `generate` call: the policy's cache, the drafters' view (`ctx`), what each row emitted."""
+
+    policy: RaggedKVModel
+    ctx: DraftContext
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    seen: torch.Tensor | None  # (B, V) tokens each row has seen (for the repetition penalty)
+    eos: torch.Tensor
+    vocab: int
+    stats: GenerationStats
+    started: dict[str, Drafter] = field(default_factory=dict)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices into the active rows), in the cache, the context and the started drafters."""
+        self.policy.select(rows)
+        self.ctx.row_ids = self.ctx.row_ids[rows]
+        self.seen = None if self.seen is None else self.seen[rows]
+        for drafter in self.started.values():
+            drafter.select(rows)
+
+
+def _prompt_tokens(prompts: list[list[int]], vocab: int, device) -> torch.Tensor:
+    seen = torch.zeros((len(prompts), vocab), dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):
+        seen[row, torch.tensor(prompt, device=device)] = True
+    return seen
 
 
 class SpeculationPolicy:
@@ -207,149 +261,148 @@ class SpeculativeEngine:
         start = time.perf_counter()
         device = self.model.device
         batch = len(prompts)
-        eos = torch.tensor(params.eos_token_ids or [-1], device=device)
-        stats = GenerationStats(num_prompts=batch)
         needs_hidden = any(getattr(d, "needs_hidden_states", False) for d in self.drafters.values())
         policy = RaggedKVModel(self.model, output_hidden_states=needs_hidden)
 
         # Prefill and the first token (a verification with no drafts).
         last_logits = policy.prefill(prompts, self.pad_token_id)[:, None]  # (B, 1, V)
-        vocab = last_logits.size(-1)
-        seen = None
-        if params.uses_repetition_penalty:
-            seen = torch.zeros((batch, vocab), dtype=torch.bool, device=device)
-            for row, prompt in enumerate(prompts):
-                seen[row, torch.tensor(prompt, device=device)] = True
-        sequences = [list(p) for p in prompts]
-        completions: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        ctx = DraftContext(
-            sequences=sequences,
-            row_ids=torch.arange(batch, device=device),
-            group_ids=group_ids if group_ids is not None else group_ids_from_prompts(prompts),
-            params=params,
-            generator=generator,
+        run = _Run(
+            policy=policy,
+            ctx=DraftContext(
+                sequences=[list(p) for p in prompts],
+                row_ids=torch.arange(batch, device=device),
+                group_ids=group_ids if group_ids is not None else group_ids_from_prompts(prompts),
+                params=params,
+                generator=generator,
+            ),
+            completions=[[] for _ in prompts],
+            logprobs=[[] for _ in prompts],
+            seen=_prompt_tokens(prompts, last_logits.size(-1), device) if params.uses_repetition_penalty else None,
+            eos=torch.tensor(params.eos_token_ids or [-1], device=device),
+            vocab=last_logits.size(-1),
+            stats=GenerationStats(num_prompts=batch),
         )
-        empty = torch.zeros((batch, 0), dtype=torch.long, device=device)
-        no_drafts = torch.zeros(batch, dtype=torch.long, device=device)
-        logp = process_logits(upcast_logits(last_logits), params, None if seen is None else seen[:, None])
-        _, next_tokens, emitted_lp = verify_drafts(logp, empty, no_drafts, None, params.do_sample, generator)
+        no_drafts = (
+            torch.zeros((batch, 0), dtype=torch.long, device=device),
+            torch.zeros(batch, dtype=torch.long, device=device),
+        )
+        seen = None if run.seen is None else run.seen[:, None]
+        logp = process_logits(upcast_logits(last_logits), params, seen)
+        _, next_tokens, emitted_lp = verify_drafts(logp, *no_drafts, None, params.do_sample, generator)
         _sync(device)
-        stats.prefill_s = time.perf_counter() - start
-        keep, num_emitted = self._emit(
-            ctx, completions, logprobs, empty, no_drafts, next_tokens, emitted_lp, seen, eos, params
-        )
-        stats.num_emitted_tokens += num_emitted
+        run.stats.prefill_s = time.perf_counter() - start
+        keep, num_emitted = self._emit(run, *no_drafts, next_tokens, emitted_lp)
+        run.stats.num_emitted_tokens += num_emitted
         # Drafters start lazily, at their first use; those that read the policy's hidden states start now and
         # see every forward (the states of earlier positions are gone once the next forward runs).
-        started: dict[str, Drafter] = {}
-        ctx.hidden_states = policy.hidden_states
-        for drafter_name, drafter in self.drafters.items():
+        for name, drafter in self.drafters.items():
             if getattr(drafter, "needs_hidden_states", False):
-                drafter.start(ctx)
-                started[drafter_name] = drafter
-
+                self._start_drafter(run, name)
         while True:
             if not keep.all():
-                rows = keep.nonzero().squeeze(1)
-                policy.select(rows)
-                ctx.row_ids = ctx.row_ids[rows]
-                seen = None if seen is None else seen[rows]
-                for drafter in started.values():
-                    drafter.select(rows)
-            active = ctx.row_ids.numel()
-            if active == 0:
+                run.select(keep.nonzero().squeeze(1))
+            if run.ctx.row_ids.numel() == 0:
                 break
+            keep = self._decode_step(run)
+        run.stats.total_s = time.perf_counter() - start
+        return GenerationOutput(completion_ids=run.completions, logprobs=run.logprobs, stats=run.stats)
 
-            step_start = time.perf_counter()
-            arm = self.speculation.choose(active)
-            name, k, *tree_shape = arm  # (name, k) drafts a chain, (name, depth, topk, verify) a tree
-            if k > 0 and name not in started:
-                if name not in self.drafters:
-                    raise ValueError(f"The speculation policy chose drafter {name!r}; known: {sorted(self.drafters)}.")
-                ctx.hidden_states = policy.hidden_states
-                self.drafters[name].start(ctx)
-                started[name] = self.drafters[name]
-            rows_l = ctx.row_ids.tolist()
-            remaining = torch.tensor([params.max_new_tokens - len(completions[r]) for r in rows_l], device=device)
-            last = torch.tensor([sequences[r][-1] for r in rows_l], device=device)[:, None]
-            draft_probs = tree = None
-            if k > 0 and tree_shape:
-                if not hasattr(started[name], "propose_tree"):
-                    raise ValueError(
-                        f"The speculation policy chose a tree arm {arm} but drafter {name!r} "
-                        f"({type(started[name]).__name__}) drafts chains only; use (name, k) arms for it."
-                    )
-                tree, ancestors, valid_rows = checked_tree(started[name].propose_tree(ctx, k, *tree_shape), vocab, k)
-                # Never draft past the budget: a path of depth d emits d + 1 tokens.
-                depths = depths_from_ancestors(ancestors)
-                tree.valid &= depths <= (remaining - 1)[:, None]
-                num_drafts = tree.valid.sum(dim=1)
-            elif k > 0:
-                draft = started[name].propose(ctx, k)
-                draft_ids, draft_probs, valid_rows = _checked_draft(draft, k, vocab)
-                # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
-                num_drafts = torch.where(valid_rows, torch.minimum(draft.num_tokens, remaining - 1), 0)
-                # Verify only as many positions as the longest draft needs (a drafter may stop short of k).
-                longest = int(num_drafts.max())
-                if longest < k:
-                    draft_ids = draft_ids[:, :longest]
-                    draft_probs = None if draft_probs is None else draft_probs[:, :longest]
-            else:
-                draft_ids = torch.zeros((active, 0), dtype=torch.long, device=device)
-                num_drafts = torch.zeros(active, dtype=torch.long, device=device)
-            if k > 0:
-                stats.num_invalid_drafts += int((~valid_rows).sum())
-                _sync(device)
-                stats.draft_s += time.perf_counter() - step_start
+    def _start_drafter(self, run: _Run, name: str) -> None:
+        if name not in self.drafters:
+            raise ValueError(f"The speculation policy chose drafter {name!r}; known: {sorted(self.drafters)}.")
+        run.ctx.hidden_states = run.policy.hidden_states
+        self.drafters[name].start(run.ctx)
+        run.started[name] = self.drafters[name]
 
-            verify_start = time.perf_counter()
-            if tree is not None:
-                draft_ids, num_accepted, next_tokens, emitted_lp = self._verify_tree(
-                    policy, tree, ancestors, depths, last, seen, params, generator
-                )
-            else:
-                width = draft_ids.size(1) + 1
-                valid = torch.arange(width, device=device)[None, :] < (num_drafts + 1)[:, None]  # (B, width)
-                lengths_before = policy.lengths
-                logits = policy.extend(torch.cat([last, draft_ids], dim=1), valid)  # (B, width, V)
-                step_seen = None if seen is None else _seen_per_position(seen, draft_ids)
-                logp = process_logits(upcast_logits(logits), params, step_seen)
-                num_accepted, next_tokens, emitted_lp = verify_drafts(
-                    logp, draft_ids, num_drafts, draft_probs, params.do_sample, generator
-                )
-                policy.truncate(lengths_before + 1 + num_accepted)
-            ctx.hidden_states = policy.hidden_states
-            keep, emitted = self._emit(
-                ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params
+    def _decode_step(self, run: _Run) -> torch.Tensor:
+        """One decode step of the active rows: choose an arm, draft, verify in one policy forward, emit. Returns the
+        mask of rows still going."""
+        device, params, stats = run.ctx.row_ids.device, run.ctx.params, run.stats
+        active = run.ctx.row_ids.numel()
+        step_start = time.perf_counter()
+        arm = self.speculation.choose(active)
+        name, k, *_ = arm  # (name, k) drafts a chain, (name, depth, topk, verify) a tree
+        if k > 0 and name not in run.started:
+            self._start_drafter(run, name)
+        rows = run.ctx.row_ids.tolist()
+        remaining = torch.tensor([params.max_new_tokens - len(run.completions[r]) for r in rows], device=device)
+        last = torch.tensor([run.ctx.sequences[r][-1] for r in rows], device=device)[:, None]
+        draft_ids, draft_probs, num_drafts, valid_rows, tree = self._draft(
+            run.started[name] if k > 0 else None, arm, run.ctx, run.vocab, remaining
+        )
+        if k > 0:
+            stats.num_invalid_drafts += int((~valid_rows).sum())
+            _sync(device)
+            stats.draft_s += time.perf_counter() - step_start
+
+        verify_start = time.perf_counter()
+        generator = run.ctx.generator
+        if tree is not None:
+            draft_ids, num_accepted, next_tokens, emitted_lp = self._verify_tree(
+                run.policy, *tree, last, run.seen, params, generator
             )
-            for drafter in started.values():
-                drafter.accept(ctx, num_accepted)
-            stats.verify_s += time.perf_counter() - verify_start
+        else:
+            num_accepted, next_tokens, emitted_lp = self._verify_chain(
+                run.policy, last, draft_ids, num_drafts, draft_probs, run.seen, params, generator
+            )
+        run.ctx.hidden_states = run.policy.hidden_states
+        keep, emitted = self._emit(run, draft_ids, num_accepted, next_tokens, emitted_lp)
+        for drafter in run.started.values():
+            drafter.accept(run.ctx, num_accepted)
+        stats.verify_s += time.perf_counter() - verify_start
 
-            stats.num_target_forwards += 1
-            stats.num_tree_steps += tree is not None
-            stats.num_emitted_tokens += emitted
-            stats.active_batch_sizes.append(active)
-            stats.num_speculative_tokens.append(k)
-            stats.drafter_names.append(name)
-            if k > 0:
-                drafted = num_drafts > 0
-                stats.num_drafts += int(drafted.sum())
-                stats.num_draft_tokens += int(num_drafts.sum())
-                stats.num_accepted_tokens += int(num_accepted.sum())
-                per_pos = torch.bincount(num_accepted, minlength=k + 1).flip(0).cumsum(0).flip(0)[1:]
-                if len(stats.num_accepted_tokens_per_pos) < k:
-                    stats.num_accepted_tokens_per_pos += [0] * (k - len(stats.num_accepted_tokens_per_pos))
-                for j, count in enumerate(per_pos.tolist()):
-                    stats.num_accepted_tokens_per_pos[j] += count
-            step_seconds = time.perf_counter() - step_start
-            stats.step_emitted_tokens.append(emitted)
-            stats.step_seconds.append(step_seconds)
-            self.speculation.update(active, arm, emitted, step_seconds)
+        step_seconds = time.perf_counter() - step_start
+        stats.observe_step(active, k, name, tree is not None, emitted, num_drafts, num_accepted, step_seconds)
+        self.speculation.update(active, arm, emitted, step_seconds)
+        return keep
 
-        stats.total_s = time.perf_counter() - start
-        return GenerationOutput(completion_ids=completions, logprobs=logprobs, stats=stats)
+    @staticmethod
+    def _draft(drafter: Drafter | None, arm: Arm, ctx: DraftContext, vocab: int, remaining: torch.Tensor):
+        """This step's draft from `drafter` for `arm`, checked and cut to the token budget (`remaining` per row):
+        (draft_ids, draft_probs, num_drafts, valid_rows, tree) with tree = (DraftTree, ancestors, depths) for a
+        tree arm, else None; no drafter (k = 0): no drafts."""
+        name, k, *tree_shape = arm
+        active, device = remaining.numel(), remaining.device
+        if drafter is None:
+            empty = torch.zeros((active, 0), dtype=torch.long, device=device)
+            return empty, None, torch.zeros(active, dtype=torch.long, device=device), None, None
+        if tree_shape:
+            if not hasattr(drafter, "propose_tree"):
+                raise ValueError(
+                    f"The speculation policy chose a tree arm {arm} but drafter {name!r} "
+                    f"({type(drafter).__name__}) drafts chains only; use (name, k) arms for it."
+                )
+            tree, ancestors, valid_rows = checked_tree(drafter.propose_tree(ctx, k, *tree_shape), vocab, k)
+            # Never draft past the budget: a path of depth d emits d + 1 tokens.
+            depths = depths_from_ancestors(ancestors)
+            tree.valid &= depths <= (remaining - 1)[:, None]
+            return None, None, tree.valid.sum(dim=1), valid_rows, (tree, ancestors, depths)
+        draft = drafter.propose(ctx, k)
+        draft_ids, draft_probs, valid_rows = _checked_draft(draft, k, vocab)
+        # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
+        num_drafts = torch.where(valid_rows, torch.minimum(draft.num_tokens, remaining - 1), 0)
+        # Verify only as many positions as the longest draft needs (a drafter may stop short of k).
+        longest = int(num_drafts.max())
+        if longest < k:
+            draft_ids = draft_ids[:, :longest]
+            draft_probs = None if draft_probs is None else draft_probs[:, :longest]
+        return draft_ids, draft_probs, num_drafts, valid_rows, None
+
+    @staticmethod
+    def _verify_chain(policy, last, draft_ids, num_drafts, draft_probs, seen, params, generator):
+        """One policy forward over each row's last token and its chain draft; the accepted prefix stays in the cache.
+        Returns (num_accepted, next_tokens, emitted_lp) as `verify_drafts`."""
+        width = draft_ids.size(1) + 1
+        valid = torch.arange(width, device=draft_ids.device)[None, :] < (num_drafts + 1)[:, None]  # (B, width)
+        lengths_before = policy.lengths
+        logits = policy.extend(torch.cat([last, draft_ids], dim=1), valid)  # (B, width, V)
+        step_seen = None if seen is None else _seen_per_position(seen, draft_ids)
+        logp = process_logits(upcast_logits(logits), params, step_seen)
+        num_accepted, next_tokens, emitted_lp = verify_drafts(
+            logp, draft_ids, num_drafts, draft_probs, params.do_sample, generator
+        )
+        policy.truncate(lengths_before + 1 + num_accepted)
+        return num_accepted, next_tokens, emitted_lp
 
     @staticmethod
     def _verify_tree(policy, tree, ancestors, depths, last, seen, params, generator):
@@ -384,7 +437,7 @@ class SpeculativeEngine:
         return tokens.gather(1, order)[:, 1:], num_accepted, next_tokens, emitted_lp
 
     @staticmethod
-    def _emit(ctx, completions, logprobs, draft_ids, num_accepted, next_tokens, emitted_lp, seen, eos, params):
+    def _emit(run: _Run, draft_ids, num_accepted, next_tokens, emitted_lp):
         """Append each active row's d_1..d_n, x (cut after the first EOS).
 
         Returns the mask of rows still going and the number of tokens emitted.
@@ -394,7 +447,10 @@ class SpeculativeEngine:
             1, num_accepted[:, None], next_tokens[:, None]
         )
         counts = num_accepted + 1
-        is_eos = torch.isin(tokens, eos) & (torch.arange(tokens.size(1), device=tokens.device)[None] < counts[:, None])
+        ctx, seen, limit = run.ctx, run.seen, run.ctx.params.max_new_tokens
+        is_eos = torch.isin(tokens, run.eos) & (
+            torch.arange(tokens.size(1), device=tokens.device)[None] < counts[:, None]
+        )
         first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, counts)
         counts = torch.minimum(counts, first_eos)
         if seen is not None:
@@ -406,9 +462,9 @@ class SpeculativeEngine:
         for i, row in enumerate(ctx.row_ids.tolist()):
             new = tokens_l[i][: counts_l[i]]
             ctx.sequences[row].extend(new)
-            completions[row].extend(new)
-            logprobs[row].extend(lp_l[i][: counts_l[i]])
-            keep.append(not ended[i] and len(completions[row]) < params.max_new_tokens)
+            run.completions[row].extend(new)
+            run.logprobs[row].extend(lp_l[i][: counts_l[i]])
+            keep.append(not ended[i] and len(run.completions[row]) < limit)
         return torch.tensor(keep, dtype=torch.bool, device=num_accepted.device), sum(counts_l)
 
 
