@@ -76,25 +76,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")
+    from transformers import AutoTokenizer
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from trl_tlt import TLTConfig, TLTGRPOTrainer
-    from trl_tlt.drafter_training import evaluate_acceptance
-    from trl_tlt.drafters.eagle3 import Eagle3Drafter
-    from trl_tlt.sampling import SamplingParams
-    from trl_tlt.workload import (
-        accuracy_reward,
-        build_drift_policy,
-        build_eagle3_drafter,
-        build_policy,
-        drift_rewards,
-        make_dataset,
-        prompt_token_ids,
-    )
+    from trl_tlt.workload import build_drift_policy, build_eagle3_drafter, build_policy, make_dataset
 
     if args.policy:
         policy_path, drafter_path = args.policy, args.drafter
@@ -106,149 +90,16 @@ def main(argv=None) -> dict:
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="trl-tlt-demo-")
     plots_dir = args.plots_dir or os.path.join(output_dir, "plots")
     tensorboard = importlib.util.find_spec("tensorboard") is not None
-    common = dict(
-        use_cpu=not torch.cuda.is_available(),
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to=["tensorboard"] if tensorboard else "none",
-        per_device_train_batch_size=8,  # one prompt's group per micro-batch,
-        gradient_accumulation_steps=8,  # 8 groups (64 samples) per optimizer step and per rollout
-        num_generations=8,
-        max_completion_length=args.max_completion_length,
-        max_steps=args.steps,
-        learning_rate=args.learning_rate,
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-    )
-    if args.scenario == "drift":  # the style share and the accuracy are logged beside the reward (weight 0)
-        rewards = drift_rewards()
-        reward_funcs, common["reward_weights"] = rewards["reward_funcs"], rewards["reward_weights"]
-    else:
-        reward_funcs = accuracy_reward
+    common, reward_funcs = grpo_settings(args, tensorboard)
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
-    train_set = make_dataset(8 * args.steps, seed=2024)
-    eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=999)["prompt"])
-    eval_params = SamplingParams(
-        temperature=1.0, max_new_tokens=args.max_completion_length, eos_token_ids=(tokenizer.eos_token_id,)
-    )
+    data = (reward_funcs, tokenizer, make_dataset(8 * args.steps, seed=2024))
     history = {"tlt": [], "grpo": [], "acceptance": [], "tail": None}
 
-    class Progress(ProgressCallback):
-        """The progress bar without the raw log dicts (the table below replaces them)."""
-
-        def on_log(self, *a, **k):
-            pass
-
-    def quiet(trainer):
-        for callback in (PrinterCallback, ProgressCallback):
-            trainer.remove_callback(callback)
-        trainer.add_callback(Progress())
-
-    class Table(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            print("".join(f"{c:>13}" for c in COLUMNS), flush=True)
-
-        def on_log(self, _args, state, _control, logs=None, **kwargs):
-            if not logs or "reward" not in logs:
-                return
-            row = {
-                "step": state.global_step,
-                "reward": logs["reward"],
-                "steps_style_fraction": logs.get("rewards/steps_style_fraction/mean", float("nan")),
-                "rollout_seconds": logs["tlt/rollout_seconds"],
-                "step_seconds": logs["step_time"],
-                "acceptance_length": logs["tlt/mean_acceptance_length"],
-                "spec_step_fraction": logs["tlt/spec_step_fraction"],
-                "drafter_loss": logs.get("tlt/drafter_loss", float("nan")),
-            }
-            history["tlt"].append(row)
-            print("".join(f"{v:>13.3f}" if isinstance(v, float) else f"{v:>13}" for v in row.values()), flush=True)
-            stats = trainer.tlt_last_stats  # keep the rollout with the most decode steps: the longest tail
-            if history["tail"] is None or len(stats.active_batch_sizes) > len(history["tail"]["active"]):
-                history["tail"] = {
-                    "step": state.global_step,
-                    "active": list(stats.active_batch_sizes),
-                    "k": list(stats.num_speculative_tokens),
-                }
-
-        def on_step_end(self, _args, state, _control, **kwargs):
-            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
-                evaluate(state.global_step)
-
-    def evaluate(step):
-        policy = trainer.model
-        was_training = policy.training
-        policy.eval()
-        row = {"step": step}
-        for name, head in (("adaptive", trainer.tlt_drafter.model), ("frozen", frozen)):
-            stats = evaluate_acceptance(policy, Eagle3Drafter(head), eval_prompts, eval_params, k=4, seed=0)
-            row[name] = stats["mean_acceptance_length"]
-        policy.train(was_training)
-        history["acceptance"].append(row)
-        print(f"  step {step}: acceptance length adaptive {row['adaptive']:.2f}, frozen {row['frozen']:.2f}")
-
     print(f"== TLTGRPOTrainer: {args.steps} steps, EAGLE-3 drafter trained between rollouts ==", flush=True)
-    drafter_kwargs = {"drafter_model_name_or_path": drafter_path} if drafter_path else {}
-    spot = {}  # TLTConfig's defaults unless asked otherwise
-    if args.spot_learning_rate is not None:
-        spot["spot_learning_rate"] = args.spot_learning_rate
-    if args.spot_steps_per_rollout is not None:
-        spot["spot_steps_per_rollout"] = args.spot_steps_per_rollout
-    config = TLTConfig(
-        output_dir=output_dir,
-        **drafter_kwargs,
-        **spot,
-        **common,
-    )
-    model = AutoModelForCausalLM.from_pretrained(policy_path)
-    trainer = TLTGRPOTrainer(
-        model=model,
-        reward_funcs=reward_funcs,
-        args=config,
-        train_dataset=train_set,
-        processing_class=tokenizer,
-        callbacks=[Table()],
-    )
-    quiet(trainer)
-    adaptive = trainer.tlt_drafter.model
-    frozen = adaptive.frozen_copy()
-    evaluate(0)
-    trainer.train()
-    export = os.path.join(output_dir, "drafter")
-    trainer.save_drafter(export)
-
+    config, export = run_tlt(args, policy_path, drafter_path, output_dir, common, data, history)
     if not args.no_baseline:
         print(f"== GRPOTrainer (TRL): the same {args.steps} steps, for comparison ==", flush=True)
-
-        class Timed(GRPOTrainer):
-            def _generate_single_turn(self, *a, **k):
-                start = time.perf_counter()
-                out = super()._generate_single_turn(*a, **k)
-                self.rollout_times.append(time.perf_counter() - start)
-                return out
-
-        baseline = Timed(
-            model=AutoModelForCausalLM.from_pretrained(policy_path),
-            reward_funcs=reward_funcs,
-            args=GRPOConfig(output_dir=os.path.join(output_dir, "grpo"), **common),
-            train_dataset=train_set,
-            processing_class=tokenizer,
-        )
-        baseline.rollout_times = []
-        quiet(baseline)
-        baseline.train()
-        logs = [h for h in baseline.state.log_history if "reward" in h]
-        history["grpo"] = [
-            {
-                "step": i + 1,
-                "reward": h["reward"],
-                "steps_style_fraction": h.get("rewards/steps_style_fraction/mean", float("nan")),
-                "rollout_seconds": t,
-                "step_seconds": h["step_time"],
-            }
-            for i, (h, t) in enumerate(zip(logs, baseline.rollout_times))
-        ]
+        history["grpo"] = run_grpo(policy_path, os.path.join(output_dir, "grpo"), common, data)
 
     os.makedirs(plots_dir, exist_ok=True)
     with open(os.path.join(plots_dir, "demo.json"), "w") as f:
@@ -264,6 +115,171 @@ def main(argv=None) -> dict:
         f'"num_speculative_tokens": {config.num_speculative_tokens}}})'
     )
     return history
+
+
+def grpo_settings(args, tensorboard: bool) -> tuple[dict, object]:
+    """The settings both trainers share, and the reward functions of the scenario."""
+    import torch
+
+    from trl_tlt.workload import accuracy_reward, drift_rewards
+
+    common = dict(
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to=["tensorboard"] if tensorboard else "none",
+        per_device_train_batch_size=8,  # one prompt's group per micro-batch,
+        gradient_accumulation_steps=8,  # 8 groups (64 samples) per optimizer step and per rollout
+        num_generations=8,
+        max_completion_length=args.max_completion_length,
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+    )
+    if args.scenario != "drift":
+        return common, accuracy_reward
+    rewards = drift_rewards()  # the style share and the accuracy are logged beside the reward (weight 0)
+    common["reward_weights"] = rewards["reward_weights"]
+    return common, rewards["reward_funcs"]
+
+
+def quiet(trainer) -> None:
+    """The progress bar without the raw log dicts (the demo's table replaces them)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    class Progress(ProgressCallback):
+        def on_log(self, *a, **k):
+            pass
+
+    for callback in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(callback)
+    trainer.add_callback(Progress())
+
+
+def run_tlt(args, policy_path, drafter_path, output_dir, common, data, history) -> tuple:
+    """TLTGRPOTrainer with TLTConfig's drafter defaults: the per-step table, the adaptive and frozen heads' acceptance
+    every `--eval-every` steps, the longest rollout's tail; the drafter exported. Returns (config, export dir)."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from trl_tlt import TLTConfig, TLTGRPOTrainer
+    from trl_tlt.drafter_training import evaluate_acceptance
+    from trl_tlt.drafters.eagle3 import Eagle3Drafter
+    from trl_tlt.sampling import SamplingParams
+    from trl_tlt.workload import make_dataset, prompt_token_ids
+
+    reward_funcs, tokenizer, train_set = data
+    eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=999)["prompt"])
+    eval_params = SamplingParams(
+        temperature=1.0, max_new_tokens=args.max_completion_length, eos_token_ids=(tokenizer.eos_token_id,)
+    )
+
+    def evaluate(step):
+        policy = trainer.model
+        was_training = policy.training
+        policy.eval()
+        row = {"step": step}
+        for name, head in (("adaptive", trainer.tlt_drafter.model), ("frozen", frozen)):
+            stats = evaluate_acceptance(policy, Eagle3Drafter(head), eval_prompts, eval_params, k=4, seed=0)
+            row[name] = stats["mean_acceptance_length"]
+        policy.train(was_training)
+        history["acceptance"].append(row)
+        print(f"  step {step}: acceptance length adaptive {row['adaptive']:.2f}, frozen {row['frozen']:.2f}")
+
+    class Table(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            print("".join(f"{c:>13}" for c in COLUMNS), flush=True)
+
+        def on_log(self, _args, state, _control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                record_step(history, state.global_step, logs, trainer.tlt_last_stats)
+
+        def on_step_end(self, _args, state, _control, **kwargs):
+            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+                evaluate(state.global_step)
+
+    spot = {}  # TLTConfig's defaults unless asked otherwise
+    if args.spot_learning_rate is not None:
+        spot["spot_learning_rate"] = args.spot_learning_rate
+    if args.spot_steps_per_rollout is not None:
+        spot["spot_steps_per_rollout"] = args.spot_steps_per_rollout
+    drafter_kwargs = {"drafter_model_name_or_path": drafter_path} if drafter_path else {}
+    config = TLTConfig(output_dir=output_dir, **drafter_kwargs, **spot, **common)
+    trainer = TLTGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(policy_path),
+        reward_funcs=reward_funcs,
+        args=config,
+        train_dataset=train_set,
+        processing_class=tokenizer,
+        callbacks=[Table()],
+    )
+    quiet(trainer)
+    frozen = trainer.tlt_drafter.model.frozen_copy()
+    evaluate(0)
+    trainer.train()
+    export = os.path.join(output_dir, "drafter")
+    trainer.save_drafter(export)
+    return config, export
+
+
+def record_step(history: dict, step: int, logs: dict, stats) -> None:
+    """One row of the table (printed and kept), and the rollout with the most decode steps (the longest tail)."""
+    row = {
+        "step": step,
+        "reward": logs["reward"],
+        "steps_style_fraction": logs.get("rewards/steps_style_fraction/mean", float("nan")),
+        "rollout_seconds": logs["tlt/rollout_seconds"],
+        "step_seconds": logs["step_time"],
+        "acceptance_length": logs["tlt/mean_acceptance_length"],
+        "spec_step_fraction": logs["tlt/spec_step_fraction"],
+        "drafter_loss": logs.get("tlt/drafter_loss", float("nan")),
+    }
+    history["tlt"].append(row)
+    print("".join(f"{v:>13.3f}" if isinstance(v, float) else f"{v:>13}" for v in row.values()), flush=True)
+    if history["tail"] is None or len(stats.active_batch_sizes) > len(history["tail"]["active"]):
+        history["tail"] = {
+            "step": step,
+            "active": list(stats.active_batch_sizes),
+            "k": list(stats.num_speculative_tokens),
+        }
+
+
+def run_grpo(policy_path, output_dir, common, data) -> list[dict]:
+    """TRL's GRPOTrainer with the same settings, its rollouts timed; the rows of its table."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    reward_funcs, tokenizer, train_set = data
+
+    class Timed(GRPOTrainer):
+        def _generate_single_turn(self, *a, **k):
+            start = time.perf_counter()
+            out = super()._generate_single_turn(*a, **k)
+            self.rollout_times.append(time.perf_counter() - start)
+            return out
+
+    baseline = Timed(
+        model=AutoModelForCausalLM.from_pretrained(policy_path),
+        reward_funcs=reward_funcs,
+        args=GRPOConfig(output_dir=output_dir, **common),
+        train_dataset=train_set,
+        processing_class=tokenizer,
+    )
+    baseline.rollout_times = []
+    quiet(baseline)
+    baseline.train()
+    logs = [h for h in baseline.state.log_history if "reward" in h]
+    return [
+        {
+            "step": i + 1,
+            "reward": h["reward"],
+            "steps_style_fraction": h.get("rewards/steps_style_fraction/mean", float("nan")),
+            "rollout_seconds": t,
+            "step_seconds": h["step_time"],
+        }
+        for i, (h, t) in enumerate(zip(logs, baseline.rollout_times))
+    ]
 
 
 def summarize(history: dict) -> None:
