@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 
 DRAFTER_TYPES = ("eagle3", "model", "ngram", "none")
+VLLM_DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 SELECTORS = ("bandit", "fixed")
 MICRO_BATCHING = ("length_grouped", "trimmed", "padded")
+
+
+def field_docs(doc: str) -> dict[str, tuple[str, str]]:
+    """Field name -> (default as documented, description), from a docstring in TRL's format (`name (type, *optional*,
+    defaults to `value`):` then the description, indented)."""
+    entries = re.findall(r"^        (\w+) \(.*?defaults to `(.*?)`\):\n((?:            .*\n?)+)", doc, flags=re.M)
+    return {name: (default, " ".join(text.split())) for name, default, text in entries}
+
+
+def _help(doc: str, name: str) -> str:
+    """A field's `help` (what `--help` prints): its description in the class docstring, the one source of both
+    (`%` escaped, as argparse formats help strings)."""
+    return field_docs(doc)[name][1].replace("%", "%%")
 
 
 @dataclass
@@ -19,6 +34,8 @@ class TLTConfig(GRPOConfig):
     Configuration class for [`TLTGRPOTrainer`]: every [`~trl.GRPOConfig`] argument, plus the following.
 
     Parameters:
+        > Parameters that control the drafter
+
         drafter_type (`str`, *optional*, defaults to `"eagle3"`):
             Drafter of the speculative rollouts: `"eagle3"` (an EAGLE-3 head on the policy's hidden states),
             `"model"` (a small causal LM sharing the tokenizer, see `drafter_model_name_or_path`), `"ngram"`
@@ -35,11 +52,15 @@ class TLTConfig(GRPOConfig):
         draft_vocab_size (`int` or `None`, *optional*, defaults to `None`):
             Draft vocabulary of a new EAGLE-3 head: it drafts and trains over this many of the policy's tokens, chosen
             from those the policy emits in its rollouts and revised as it moves (`d2t`, as vLLM and SGLang load it;
-            docs/drafters.md). A drafter step's cost then does not grow with the policy's vocabulary. `None`:
-            `min(policy vocabulary, 32768)` (what EAGLE-3 and SpecForge use). A warm-started head keeps its own.
+            docs/drafters.md). A drafter step's cost then does not grow with the policy's vocabulary. `None`: fitted
+            at the first rollout to twice the tokens the policy emitted (1024 to `min(policy vocabulary, 32768)`, the
+            size EAGLE-3 and SpecForge use); with vLLM colocate, `min(policy vocabulary, 32768)` (vLLM loads the head
+            once). A warm-started head keeps its own.
         drafter_ttt_length (`int`, *optional*, defaults to `4`):
             Unrolled draft steps the EAGLE-3 head trains on (training-time test); a drafter step's cost grows with it.
             Independent of the draft length: a head trained at 4 drafts fastest at k=6 (docs/benchmarks.md).
+        > Parameters that control how far to speculate
+
         speculative_selector (`str`, *optional*, defaults to `"bandit"`):
             `"bandit"`: choose per decode step, per active-batch-size bucket, whether and how far to speculate
             (epsilon-greedy, maximises tokens per second). `"fixed"`: speculate `num_speculative_tokens` at every
@@ -51,19 +72,24 @@ class TLTConfig(GRPOConfig):
             two tree arms of depth `num_speculative_tokens` (top-k 2 and 4, verifying 2x and 4x as many nodes: a
             sampled chain plus side branches, one policy forward; see docs/engine.md), and keeps them in the batch
             sizes where they emit more tokens per second than chains. Off by default: on 2 CPU cores trees never beat
-            chains and exploring them cost 2-10% of rollout throughput; where verification is memory-bound (GPUs)
-            they may pay (`scripts/gpu_check_tree.py` measures it). trl-tlt's engine only (vLLM drafts chains).
+            chains and exploring them cost 5% (batch 8) and 10% (batch 64) of rollout throughput
+            (`scripts/bench_tree_arms.py`); where verification is memory-bound (GPUs) they may pay
+            (`scripts/gpu_check_tree.py` measures it). trl-tlt's engine only (vLLM drafts chains).
         selector_deterministic (`bool`, *optional*, defaults to `False`):
             Reward the bandit with a modelled step cost (one policy forward plus k drafter forwards, weighted by
             parameter count) instead of the step's wall time. Its choices, and so the completions, then depend only on
             `seed`: a run repeats exactly (as with `speculative_selector="fixed"`), at the price of a cost model that
-            ignores the hardware.
+            ignores the hardware. With spot training in one process, set `spot_steps_per_rollout` too (the time
+            budget depends on timing; a warning says so).
+        > Parameters that control spot training (the drafter trained online)
+
         spot_training (`bool` or `None`, *optional*, defaults to `None`):
             Train the drafter online on the policy's recent rollouts (`drafter_type="eagle3"` or `"model"`). With
             several processes, each rank trains while its own rollouts are done and other ranks still generate,
             and the ranks' drafters are merged before the next rollout; with one process, drafter steps run between
             rollouts within `spot_time_budget` (their time is reported as `tlt/spot_seconds`). `None`: on whenever the
-            drafter has weights and the trainer holds it (trl-tlt's engine or vLLM colocate), off otherwise.
+            drafter has weights and the trainer holds it (trl-tlt's engine or vLLM colocate), off otherwise. `True`
+            with `drafter_type="ngram"` / `"none"` or vLLM server mode raises.
         spot_time_budget (`float`, *optional*, defaults to `0.5`):
             With one process: drafter training between two rollouts takes at most this many seconds per second of the
             rollout. How much of it a phase spends follows the drafter's measured acceptance (docs/spot.md): all of it
@@ -85,6 +111,8 @@ class TLTConfig(GRPOConfig):
             Drafter steps of a new head's cold start: the learning rate starts at 2e-3 (what offline warm starts use)
             and follows a cosine down to `spot_learning_rate` over this many drafter steps. `None`: 600 for a new
             EAGLE-3 head (no `drafter_model_name_or_path`), 0 (no cold start) for a warm-started head or a drafter LM.
+        > Parameters that control the training phase
+
         micro_batching (`str`, *optional*, defaults to `"length_grouped"`):
             How the training phase lays out completions (every forward over them: the loss, old and reference
             log-probs). `"trimmed"`: each forward runs at its own rows' longest completion instead of the generation
@@ -92,6 +120,8 @@ class TLTConfig(GRPOConfig):
             optimizer step into micro-batches by length, where that leaves the loss exactly unchanged (loss types
             other than `bnpo`, no `top_entropy_quantile`, entropy bonus or MoE aux loss; else trimmed only).
             `"padded"`: TRL's layout, unchanged. Both are exact: the same loss and gradients up to float round-off.
+        > Parameters that control vLLM colocate
+
         vllm_speculative_max_batch_size (`int`, *optional*, defaults to `32`):
             With `use_vllm=True, vllm_mode="colocate"`: vLLM speculates `num_speculative_tokens` while at most this
             many sequences are running and not above (TLT's threshold; vLLM's
@@ -105,88 +135,39 @@ class TLTConfig(GRPOConfig):
     """
 
     drafter_type: str = field(
-        default="eagle3",
-        metadata={
-            "help": "Drafter: 'eagle3' (EAGLE-3 head), 'model' (small LM, see drafter_model_name_or_path), 'ngram' "
-            "or 'none'.",
-            "choices": list(DRAFTER_TYPES),
-        },
+        default="eagle3", metadata={"help": _help(__doc__, "drafter_type"), "choices": list(DRAFTER_TYPES)}
     )
     drafter_model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Warm-start EAGLE-3 checkpoint (eagle3; None = new head) or the drafter LM (model)."},
+        default=None, metadata={"help": _help(__doc__, "drafter_model_name_or_path")}
     )
-    num_speculative_tokens: int = field(
-        default=6, metadata={"help": "Draft length k (fixed selector), or the longest draft the bandit explores."}
-    )
-    draft_vocab_size: int | None = field(
-        default=None,
-        metadata={"help": "Draft vocabulary of a new EAGLE-3 head (None: min(policy vocabulary, 32768))."},
-    )
-    drafter_ttt_length: int = field(
-        default=4, metadata={"help": "Unrolled draft steps the EAGLE-3 head trains on (training-time test)."}
-    )
+    num_speculative_tokens: int = field(default=6, metadata={"help": _help(__doc__, "num_speculative_tokens")})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": _help(__doc__, "draft_vocab_size")})
+    drafter_ttt_length: int = field(default=4, metadata={"help": _help(__doc__, "drafter_ttt_length")})
     speculative_selector: str = field(
-        default="bandit",
-        metadata={
-            "help": "'bandit': adaptive per batch-size bucket; 'fixed': always num_speculative_tokens.",
-            "choices": list(SELECTORS),
-        },
+        default="bandit", metadata={"help": _help(__doc__, "speculative_selector"), "choices": list(SELECTORS)}
     )
-    selector_epsilon: float = field(default=0.1, metadata={"help": "Exploration probability of the bandit selector."})
-    speculative_trees: bool = field(
-        default=False,
-        metadata={"help": "Bandit selector: also play tree arms (depth num_speculative_tokens, top-k 2 and 4)."},
-    )
-    selector_deterministic: bool = field(
-        default=False,
-        metadata={
-            "help": "Bandit rewarded by a modelled step cost instead of wall time: runs repeat exactly per seed."
-        },
-    )
-    spot_training: bool | None = field(
-        default=None,
-        metadata={"help": "Train the drafter online on recent rollouts (None: whenever the drafter has weights)."},
-    )
-    spot_time_budget: float = field(
-        default=0.5,
-        metadata={"help": "One process: drafter-training seconds between rollouts per second of rollout, at most."},
-    )
-    spot_buffer_steps: int = field(default=2, metadata={"help": "Rollouts kept in the drafter's data buffer."})
-    spot_buffer_max_tokens: int = field(
-        default=262_144, metadata={"help": "Memory budget of the drafter's data buffer, in tokens."}
-    )
-    spot_tokens_per_step: int = field(default=256, metadata={"help": "Packed tokens per drafter optimizer step."})
-    spot_learning_rate: float = field(default=3e-5, metadata={"help": "Learning rate of the drafter (AdamW)."})
+    selector_epsilon: float = field(default=0.1, metadata={"help": _help(__doc__, "selector_epsilon")})
+    speculative_trees: bool = field(default=False, metadata={"help": _help(__doc__, "speculative_trees")})
+    selector_deterministic: bool = field(default=False, metadata={"help": _help(__doc__, "selector_deterministic")})
+    spot_training: bool | None = field(default=None, metadata={"help": _help(__doc__, "spot_training")})
+    spot_time_budget: float = field(default=0.5, metadata={"help": _help(__doc__, "spot_time_budget")})
+    spot_buffer_steps: int = field(default=2, metadata={"help": _help(__doc__, "spot_buffer_steps")})
+    spot_buffer_max_tokens: int = field(default=262_144, metadata={"help": _help(__doc__, "spot_buffer_max_tokens")})
+    spot_tokens_per_step: int = field(default=256, metadata={"help": _help(__doc__, "spot_tokens_per_step")})
+    spot_learning_rate: float = field(default=3e-5, metadata={"help": _help(__doc__, "spot_learning_rate")})
     spot_steps_per_rollout: int | None = field(
-        default=None,
-        metadata={"help": "One process: this many drafter steps between rollouts, instead of the time budget."},
+        default=None, metadata={"help": _help(__doc__, "spot_steps_per_rollout")}
     )
-    spot_cold_start_steps: int | None = field(
-        default=None,
-        metadata={"help": "Drafter steps of a new head's cold start (None: 600 for a new EAGLE-3 head, else 0)."},
-    )
-
+    spot_cold_start_steps: int | None = field(default=None, metadata={"help": _help(__doc__, "spot_cold_start_steps")})
     micro_batching: str = field(
-        default="length_grouped",
-        metadata={
-            "help": "Training-phase layout: 'length_grouped' (trim + group rows by length where exact), 'trimmed', "
-            "or 'padded' (TRL's).",
-            "choices": list(MICRO_BATCHING),
-        },
+        default="length_grouped", metadata={"help": _help(__doc__, "micro_batching"), "choices": list(MICRO_BATCHING)}
     )
-
     vllm_speculative_max_batch_size: int = field(
-        default=32,
-        metadata={"help": "vLLM colocate: speculate only while at most this many sequences run (0 = always)."},
+        default=32, metadata={"help": _help(__doc__, "vllm_speculative_max_batch_size")}
     )
     vllm_draft_sample_method: str = field(
         default="probabilistic",
-        metadata={
-            "help": "vLLM colocate: how a learned drafter drafts, 'probabilistic' (sampled drafts, the draft "
-            "distribution in the accept test) or 'greedy' (argmax drafts, one-hot).",
-            "choices": ["probabilistic", "greedy"],
-        },
+        metadata={"help": _help(__doc__, "vllm_draft_sample_method"), "choices": list(VLLM_DRAFT_SAMPLE_METHODS)},
     )
 
     def __post_init__(self):
@@ -221,7 +202,7 @@ class TLTConfig(GRPOConfig):
                 f"`vllm_speculative_max_batch_size` must be >= 0 (0 = always speculate), got "
                 f"{self.vllm_speculative_max_batch_size}."
             )
-        if self.vllm_draft_sample_method not in ("probabilistic", "greedy"):
+        if self.vllm_draft_sample_method not in VLLM_DRAFT_SAMPLE_METHODS:
             raise ValueError(
                 f"`vllm_draft_sample_method` must be 'probabilistic' or 'greedy', got {self.vllm_draft_sample_method!r}."
             )
