@@ -13,7 +13,6 @@ MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TRAINER_LINES = 500, 80, 400
 # Still over a limit, at most this long: a ratchet (an entry that grows fails, one that shrinks under its limit must
 # be removed from here).
 OVER_THE_LIMIT = {
-    "trl_tlt/spot.py": 627,
     "trl_tlt/workload.py": 639,
     "kernels/verify.py:_verify_kernel": 97,
 }

@@ -1,37 +1,10 @@
-"""Spot training: the drafter learns from recent rollouts in the time a rank would otherwise idle.
-
-`DataBuffer` keeps the token sequences of the last `window` rollouts (TLT's one-step-offset rule: the previous
-rollout's long sequences balance the current one's early finishers), bounded by a token budget; every eighth
-sequence is held out for evaluation. The policy's hidden states are recomputed per drafter step (one no-grad
-forward over the step's packed tokens), so the buffer holds token ids only.
-
-`SpotTrainer` runs drafter optimizer steps:
-- with several processes, on each rank from the moment its own rollouts are done until every rank's are: an
-  asynchronous barrier on a dedicated gloo group is polled between (and inside) drafter steps, so the rank that
-  finishes last never waits for more than one phase of a drafter step; then the ranks' drafters are merged by
-  parameter averaging weighted by the steps each took, before anyone returns to RL work;
-- with one process (no idle rank), between rollouts, within a time budget that `SpotBudget` sets from the drafter's
-  measured acceptance (timed and reported).
-
-`SpotSchedule` sets the learning rate from the drafter's step count: constant for a warm-started drafter; for a new
-head, a cold start (a high learning rate, as offline warm starts use) that follows a cosine down to the warm regime
-over `cold_steps` drafter steps. `SpotBudget` decides how much of the time budget a phase between rollouts spends,
-from the acceptance the drafter measures on held-out rollouts (verl-SpeCo's acceptance-driven schedule): fast and
-slow moving averages; all of it while a new head warms up and while acceptance falls (the policy drifts) or rises,
-a quarter on a plateau, none for a drafter that accepts too little to pay for its drafting (probed again after 1,
-2, 4, ... skipped phases).
-
-A new EAGLE-3 head's draft vocabulary (`DraftVocabulary`) is revised at the start of a phase from the rollouts' token
-counts (summed over ranks at the merge), its LM head rows and their optimizer moments carried along.
-"""
+"""`SpotTrainer`: drafter optimizer steps in a rank's idle time (or within the time budget), the ranks' drafters merged."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -39,211 +12,14 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .drafter_training import DistillConfig, DrafterSample, eagle3_loss, lm_distill_loss, pack, policy_features
-from .drafters.draft_vocab import DraftVocabulary, fitted_size
-from .drafters.eagle3 import Eagle3Model
+from ..drafter_training import DistillConfig, DrafterSample, eagle3_loss, lm_distill_loss, pack, policy_features
+from ..drafters.draft_vocab import DraftVocabulary, fitted_size
+from ..drafters.eagle3 import Eagle3Model
+from .buffer import DataBuffer, take_tokens
+from .schedule import SpotBudget, SpotSchedule
 
 
 logger = logging.get_logger(__name__)
-
-HELD_OUT_EVERY = 8  # every 8th buffered sequence is held out for `evaluate`
-
-
-def take_tokens(samples: list[DrafterSample], max_tokens: int) -> list[DrafterSample]:
-    """The leading sequences that fit in `max_tokens` (at least one, if any)."""
-    taken, total = [], 0
-    for s in samples:
-        if taken and total + len(s.token_ids) > max_tokens:
-            break
-        taken.append(s)
-        total += len(s.token_ids)
-    return taken
-
-
-class DataBuffer:
-    """Prompt + completion token ids of the last `window` rollouts, at most `max_tokens` tokens in all.
-
-    Args:
-        window: Rollouts kept (TLT's one-step offset: 2 = the current and the previous rollout).
-        max_tokens: Memory budget in tokens (8 bytes each); the oldest sequences go first when it is exceeded.
-    """
-
-    def __init__(self, window: int = 2, max_tokens: int = 262_144):
-        if window < 1:
-            raise ValueError(f"`window` must be >= 1, got {window}.")
-        if max_tokens < 1:
-            raise ValueError(f"`max_tokens` must be >= 1, got {max_tokens}.")
-        self.window, self.max_tokens = window, max_tokens
-        self.rollouts: deque[list[DrafterSample]] = deque()
-        self.held_out: list[DrafterSample] = []  # of the latest rollout only: "recent"
-        self.num_added = 0
-
-    def add(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
-        """One rollout; empty completions are skipped (nothing to learn)."""
-        train, held_out = [], []
-        for prompt, completion in zip(prompts, completions, strict=True):
-            if not completion:
-                continue
-            sample = DrafterSample(list(prompt) + list(completion), len(prompt))
-            self.num_added += 1
-            (held_out if self.num_added % HELD_OUT_EVERY == 0 else train).append(sample)
-        self.rollouts.append(train)
-        self.held_out = held_out
-        while len(self.rollouts) > self.window:
-            self.rollouts.popleft()
-        while self.num_tokens > self.max_tokens and any(self.rollouts):
-            oldest = next(r for r in self.rollouts if r)
-            oldest.pop(0)
-
-    @property
-    def samples(self) -> list[DrafterSample]:
-        return [s for rollout in self.rollouts for s in rollout]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.samples)
-
-    def sample(self, max_tokens: int, rng: random.Random) -> list[DrafterSample]:
-        """Sequences drawn uniformly without replacement until `max_tokens` (at least one, if any)."""
-        pool = self.samples
-        rng.shuffle(pool)
-        return take_tokens(pool, max_tokens)
-
-    def state_dict(self) -> dict:
-        """Metadata only (the sequences are refilled by the next rollout)."""
-        return {"window": self.window, "max_tokens": self.max_tokens, "num_added": self.num_added}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.num_added = int(state["num_added"])
-
-
-@dataclass
-class SpotSchedule:
-    """Learning rate as a function of the drafter's step count.
-
-    Args:
-        learning_rate: The warm regime's learning rate (a warm-started drafter's, from the first step).
-        cold_steps: Length of a new head's cold start in drafter steps (0 = none): the rate starts at
-            `cold_learning_rate` and follows a cosine down to `learning_rate`.
-        cold_learning_rate: Learning rate at the start of the cold start.
-        warmup_steps: Linear warm-up of the learning rate.
-
-    Example:
-        >>> SpotSchedule(cold_steps=300).learning_rate_at(0)  # 2e-3 x 1/10 (warm-up)
-    """
-
-    learning_rate: float = 3e-5
-    cold_steps: int = 0
-    cold_learning_rate: float = 2e-3
-    warmup_steps: int = 10
-
-    def _cold_weight(self, step: int) -> float:
-        """1 at the start of a cold start, 0 at its end and without one (cosine)."""
-        if self.cold_steps <= 0:
-            return 0.0
-        return 0.5 * (1.0 + math.cos(math.pi * min(step / self.cold_steps, 1.0)))
-
-    def learning_rate_at(self, step: int) -> float:
-        weight = self._cold_weight(step)
-        rate = self.learning_rate + (self.cold_learning_rate - self.learning_rate) * weight
-        return rate * min(1.0, (step + 1) / max(self.warmup_steps, 1))
-
-
-@dataclass
-class SpotBudget:
-    """One process: the seconds of drafter training each phase between rollouts may take, from measured acceptance.
-
-    A phase earns `time_budget x rollout seconds x share` of credit and spends it on held-out evaluation and drafter
-    steps (a step starts only while the credit covers its expected time; what a phase leaves, or overdraws, carries
-    to the next, at most one phase's worth). The share follows the drafter's held-out acceptance length `a`:
-
-        warm-up (a new head's first `warmup_phases`)          share 1
-        fast average < slow - tolerance (drift: falls)        share 1
-        fast average > slow + tolerance (still learning)      share 1
-        flat, fast average < `min_acceptance` (does not pay)  share 0: skip 1, 2, 4, ... phases, then probe again
-        flat otherwise (plateau)                              share `plateau_share`
-
-    Args:
-        time_budget: Drafter-training seconds per second of rollout, at most (`TLTConfig.spot_time_budget`).
-        warmup_phases: Phases a new head trains at the full share whatever it measures (0 for a warm start).
-        plateau_share: Share of the budget on a plateau.
-        min_acceptance: Acceptance length below which a drafter does not pay for its drafting.
-        tolerance: Gap between the fast and slow averages that counts as a trend (acceptance-length units).
-        fast, slow: Weights of the newest measurement in the fast and slow moving averages.
-        max_skip: Longest run of skipped phases before a probe.
-
-    Example:
-        >>> budget = SpotBudget(time_budget=0.25, warmup_phases=4)
-        >>> budget.observe(1.0); budget.seconds(rollout_seconds=4.0)  # 1.0: a new head warms up at full share
-    """
-
-    time_budget: float = 0.5
-    warmup_phases: int = 0
-    plateau_share: float = 0.25
-    min_acceptance: float = 1.3
-    tolerance: float = 0.05
-    fast: float = 0.5
-    slow: float = 0.1
-    max_skip: int = 16
-    phases: int = 0  # phases observed
-    fast_mean: float | None = None
-    slow_mean: float | None = None
-    skip: int = 0  # phases left to skip
-    next_skip: int = 1  # length of the next run of skipped phases
-    credit: float = 0.0  # seconds
-
-    def observe(self, acceptance: float | None) -> None:
-        """A phase's held-out acceptance length (None: nothing held out yet)."""
-        self.phases += 1
-        if acceptance is None:
-            return
-        if self.fast_mean is None:
-            self.fast_mean = self.slow_mean = acceptance
-        self.fast_mean += self.fast * (acceptance - self.fast_mean)
-        self.slow_mean += self.slow * (acceptance - self.slow_mean)
-
-    @property
-    def share(self) -> float:
-        """Share of the time budget the current phase gets (after `observe`)."""
-        if self.phases <= self.warmup_phases or self.fast_mean is None:
-            return 1.0
-        if abs(self.fast_mean - self.slow_mean) > self.tolerance:
-            return 1.0
-        if self.fast_mean < self.min_acceptance:
-            return 0.0
-        return self.plateau_share
-
-    def skips_phase(self) -> bool:
-        """Whether this phase is skipped whole (no evaluation, no step): a drafter that did not pay is left idle,
-        probed again after 1, 2, 4, ... skipped phases."""
-        if self.skip > 0:
-            self.skip -= 1
-            return True
-        return False
-
-    def seconds(self, rollout_seconds: float) -> float:
-        """Credit (seconds) the current phase may spend; a share of 0 starts a run of skipped phases."""
-        share = self.share
-        if share == 0.0:
-            self.skip, self.next_skip = self.next_skip, min(2 * self.next_skip, self.max_skip)
-            self.credit = min(self.credit, 0.0)
-            return self.credit
-        if self.phases > self.warmup_phases:
-            self.next_skip = 1
-        earned = self.time_budget * rollout_seconds * share
-        self.credit = min(self.credit, earned) + earned
-        return self.credit
-
-    def spend(self, seconds: float) -> None:
-        self.credit -= seconds
-
-    def state_dict(self) -> dict:
-        names = ("phases", "fast_mean", "slow_mean", "skip", "next_skip", "credit")
-        return {name: getattr(self, name) for name in names}
-
-    def load_state_dict(self, state: dict) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
 
 
 @dataclass
