@@ -1,22 +1,4 @@
-"""The embedded workload: long-tailed repeated addition, a verifiable reasoning task with a policy built offline.
-
-A problem asks to add a number to a start value n times; the solution writes one numbered line per addition,
-then states the answer after `####`::
-
-    user:      Start at 7, add 13, 4 times
-    assistant: 1: 7+13=20
-               2: 20+13=33
-               3: 33+13=46
-               4: 46+13=59
-               #### 59
-
-The number of additions is heavy-tailed (most problems need 1-3, a few up to 30), so solution lengths are
-long-tailed like reasoning RL: a few rollouts run 10-20x longer than the median. The reward is 1 for a correct
-final answer. The policy is a Qwen2-architecture model (8 decoder layers, ~2.5M parameters) trained by SFT on
-generated solutions with TRL's `SFTTrainer`, cached on disk under a key derived from the recipe.
-
-Run `python -m trl_tlt.workload` to build (or load) the policy and print its length distribution and accuracy.
-"""
+"""The embedded policy, its drafters and the drift scenario, built offline from recipes and cached by their hash."""
 
 from __future__ import annotations
 
@@ -25,132 +7,13 @@ import hashlib
 import json
 import os
 import random
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from datasets import Dataset
 
-
-ANSWER_RE = re.compile(r"####\s*(-?\d+)")
-# Mixture over the number of additions: (probability, min, max), uniform within a range.
-DEFAULT_STEP_MIXTURE = ((0.62, 1, 3), (0.28, 4, 8), (0.08, 9, 18), (0.02, 19, 30))
-# SFT sees mostly short problems: the skills (copy the operands, add, count lines) are the same at every length,
-# and short examples give more optimizer steps per second of CPU.
-SFT_STEP_MIXTURE = ((0.85, 1, 4), (0.10, 5, 12), (0.05, 13, 30))
-# The drift scenario's fine-tune has three times the long problems: with the SFT mixture, the second style was
-# written far less accurately than the first on problems of 4 or more additions (0.11 vs 0.32).
-DRIFT_STEP_MIXTURE = ((0.60, 1, 4), (0.25, 5, 12), (0.15, 13, 30))
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """The repeated-addition task.
-
-    Args:
-        step_mixture: Mixture over the number of additions: tuples (probability, min, max).
-        max_operand: Start value and addend are drawn from 1..max_operand.
-    """
-
-    step_mixture: tuple[tuple[float, int, int], ...] = DEFAULT_STEP_MIXTURE
-    max_operand: int = 99
-
-    def sample_problem(self, rng: random.Random) -> tuple[int, int, int]:
-        """(start, addend, number of additions)."""
-        weights = [w for w, _, _ in self.step_mixture]
-        _, low, high = rng.choices(self.step_mixture, weights=weights)[0]
-        return rng.randint(1, self.max_operand), rng.randint(1, self.max_operand), rng.randint(low, high)
-
-
-def format_question(start: int, addend: int, times: int, ask_steps: bool = False) -> str:
-    """The prompt text; `ask_steps` asks for the "steps" style (`Step 1: 7+13=20`)."""
-    return f"Start at {start}, add {addend}, {times} times" + (", in steps" if ask_steps else "")
-
-
-# Solution styles: "compact" (`1: 7+13=20`, the embedded policy's) and "steps" (`Step 1: 7+13=20`, the drift
-# scenario's second style: same arithmetic, different tokens).
-STEP_LINE = {"compact": "{i}: {a}+{b}={c}", "steps": "Step {i}: {a}+{b}={c}"}
-
-
-def format_solution(start: int, addend: int, times: int, style: str = "compact") -> str:
-    lines, total = [], start
-    for i in range(1, times + 1):
-        lines.append(STEP_LINE[style].format(i=i, a=total, b=addend, c=total + addend))
-        total += addend
-    return "\n".join(lines) + f"\n#### {total}"
-
-
-def solution_style(text: str) -> str:
-    """The style a completion is written in: "steps" if it starts with `Step`, else "compact"."""
-    return "steps" if text.startswith("Step") else "compact"
-
-
-def make_dataset(
-    num_problems: int,
-    seed: int = 0,
-    task: TaskConfig | None = None,
-    with_solutions: bool = False,
-    steps_style_fraction: float = 0.0,
-    steps_prompt_fraction: float = 0.0,
-):
-    """A `datasets.Dataset` of conversational prompts with an `answer` column (and `completion` for SFT).
-
-    A `steps_prompt_fraction` of the prompts ask for the "steps" style (their solutions are written in it); of the
-    other solutions, a `steps_style_fraction` are written in the "steps" style unasked. Both are drawn from a second
-    generator, so the problems do not depend on them.
-    """
-    task = task or TaskConfig()
-    rng, style_rng = random.Random(seed), random.Random(seed + 1_000_003)
-    rows = {"prompt": [], "answer": [], "num_steps": []}
-    if with_solutions:
-        rows["completion"] = []
-    for _ in range(num_problems):
-        start, addend, times = task.sample_problem(rng)
-        ask_steps = steps_prompt_fraction > 0 and style_rng.random() < steps_prompt_fraction
-        rows["prompt"].append([{"role": "user", "content": format_question(start, addend, times, ask_steps)}])
-        rows["answer"].append(str(start + addend * times))
-        rows["num_steps"].append(times)
-        if with_solutions:
-            steps = ask_steps or style_rng.random() < steps_style_fraction
-            solution = format_solution(start, addend, times, "steps" if steps else "compact")
-            rows["completion"].append([{"role": "assistant", "content": solution}])
-    return Dataset.from_dict(rows)
-
-
-def _completion_text(completion) -> str:
-    return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
-def accuracy_reward(completions, answer, **kwargs) -> list[float]:
-    """1.0 if the completion's `#### N` equals the answer, else 0.0 (GRPOTrainer `reward_funcs` form)."""
-    rewards = []
-    for completion, expected in zip(completions, answer, strict=True):
-        match = ANSWER_RE.search(_completion_text(completion))
-        rewards.append(1.0 if match and match.group(1) == str(expected) else 0.0)
-    return rewards
-
-
-def style_reward(completions, answer, style_bonus: float = 0.5, **kwargs) -> list[float]:
-    """The drift scenario's reward: 1.0 for a correct answer, times `1 + style_bonus` if it is in the "steps" style.
-
-    A wrong answer earns nothing in either style: GRPO is paid for a style only with a right answer written in it.
-    """
-    accuracy = accuracy_reward(completions, answer)
-    styles = [solution_style(_completion_text(c)) for c in completions]
-    return [r * (1 + style_bonus * (s == "steps")) for r, s in zip(accuracy, styles, strict=True)]
-
-
-def steps_style_fraction(completions, **kwargs) -> list[float]:
-    """1.0 for a completion in the "steps" style (log it as a reward function with weight 0)."""
-    return [float(solution_style(_completion_text(c)) == "steps") for c in completions]
-
-
-def drift_rewards() -> dict:
-    """The drift scenario's `GRPOConfig`/`GRPOTrainer` reward settings: trains on `style_reward`; logs the steps-style
-    share and the accuracy beside it (weight 0). Use as `reward_funcs=r["reward_funcs"]`,
-    `reward_weights=r["reward_weights"]`."""
-    return {"reward_funcs": [style_reward, steps_style_fraction, accuracy_reward], "reward_weights": [1.0, 0.0, 0.0]}
+from .task import DRIFT_STEP_MIXTURE, SFT_STEP_MIXTURE, TaskConfig, make_dataset, prompt_token_ids
 
 
 def recipe_key(recipe) -> str:
@@ -203,7 +66,7 @@ def sft_dataset(recipe: PolicyRecipe) -> Dataset:
 
 def build_policy_tokenizer(recipe: PolicyRecipe):
     """A BPE tokenizer trained on the recipe's SFT texts."""
-    from .tiny import build_tokenizer
+    from ..tiny import build_tokenizer
 
     data = sft_dataset(recipe)
     corpus = [p[0]["content"] + "\n" + c[0]["content"] for p, c in zip(data["prompt"], data["completion"])][:5000]
@@ -285,7 +148,7 @@ def _build_sft_model(path: Path, tokenizer, num_hidden_layers: int, recipe: Poli
     """Train a Qwen2 model of the recipe's width with `num_hidden_layers` by SFT and save it atomically at `path`."""
     import torch
 
-    from .tiny import build_tiny_model
+    from ..tiny import build_tiny_model
 
     start = time.perf_counter()
     torch.manual_seed(recipe.seed)
@@ -390,8 +253,8 @@ def _warm_start_eagle3(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .drafter_training import DistillConfig, warm_start_drafter
-    from .sampling import SamplingParams
+    from ..drafter_training import DistillConfig, warm_start_drafter
+    from ..sampling import SamplingParams
 
     path = policy_path.parent / name
     if (path / "config.json").exists():
@@ -517,123 +380,3 @@ def build_drift_policy(
             print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
     name = f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"
     return path, _warm_start_eagle3(path, name, recipe.drafter, verbose, sft=recipe.policy)
-
-
-def prompt_token_ids(tokenizer, prompts) -> list[list[int]]:
-    """Token ids of conversational prompts, rendered with the chat template as `GRPOTrainer` does."""
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
-def evaluate_policy(
-    model,
-    tokenizer,
-    dataset: Dataset,
-    num_generations: int = 8,
-    temperature: float = 1.0,
-    max_new_tokens: int = 512,
-    seed: int = 0,
-    prompts_per_batch: int = 8,
-) -> dict:
-    """Sample `num_generations` completions per problem with the engine; accuracy and length statistics.
-
-    `accuracy_by_style` splits the accuracy by solution style and by problem length (short: 1-3 additions, long: 4
-    or more), each as `[accuracy, number of samples]`: the drift scenario needs its styles equally accurate.
-    """
-    import numpy as np
-    import torch
-
-    from .engine import SpeculativeEngine
-    from .sampling import SamplingParams
-
-    engine = SpeculativeEngine(model, pad_token_id=tokenizer.pad_token_id)
-    params = SamplingParams(
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else 1.0,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=(tokenizer.eos_token_id,),
-    )
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    lengths, rewards, cells = [], [], {}
-    for begin in range(0, len(dataset), prompts_per_batch):
-        batch = dataset[begin : begin + prompts_per_batch]
-        ids = [p for p in prompt_token_ids(tokenizer, batch["prompt"]) for _ in range(num_generations)]
-        out = engine.generate(ids, params, generator=generator)
-        texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        answers = [a for a in batch["answer"] for _ in range(num_generations)]
-        batch_rewards = accuracy_reward(texts, answers)
-        rewards += batch_rewards
-        lengths += [len(c) for c in out.completion_ids]
-        steps = [n for n in batch["num_steps"] for _ in range(num_generations)]
-        for text, reward, n in zip(texts, batch_rewards, steps, strict=True):
-            cells.setdefault(f"{solution_style(text)}, {'short' if n <= 3 else 'long'}", []).append(reward)
-    lengths_arr = np.array(lengths)
-    median = float(np.median(lengths_arr))
-    return {
-        "num_problems": len(dataset),
-        "num_generations": num_generations,
-        "temperature": temperature,
-        "accuracy": float(np.mean(rewards)),
-        "accuracy_by_style": {cell: [float(np.mean(r)), len(r)] for cell, r in sorted(cells.items())},
-        "length_median": median,
-        "length_p99": float(np.percentile(lengths_arr, 99)),
-        "length_max": int(lengths_arr.max()),
-        "p99_over_median": float(np.percentile(lengths_arr, 99) / median),
-        "max_over_median": float(lengths_arr.max() / median),
-        "clipped_fraction": float(np.mean(lengths_arr >= max_new_tokens)),
-        "lengths": lengths,
-    }
-
-
-def plot_lengths(lengths: list[int], path: str | Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.hist(lengths, bins=60, log=True, color="tab:blue")
-    for q, style in ((50, "-"), (99, "--")):
-        ax.axvline(np.percentile(lengths, q), color="k", linestyle=style, label=f"p{q}")
-    ax.set_xlabel("completion length (tokens)")
-    ax.set_ylabel("count (log)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def main() -> None:
-    import argparse
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    parser = argparse.ArgumentParser(description="Build (or load) the embedded policy and describe it.")
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--drift", action="store_true", help="The drift scenario's start policy instead.")
-    parser.add_argument(
-        "--steps-prompt-fraction",
-        type=float,
-        default=0.0,
-        help="Fraction of the prompts that ask for the steps style.",
-    )
-    parser.add_argument("--num-problems", type=int, default=256)
-    parser.add_argument("--num-generations", type=int, default=4)
-    parser.add_argument("--plot", default=None, help="Write the length histogram to this PNG.")
-    args = parser.parse_args()
-    path = build_drift_policy(cache_dir=args.cache_dir)[0] if args.drift else build_policy(cache_dir=args.cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    eval_set = make_dataset(args.num_problems, seed=12345, steps_prompt_fraction=args.steps_prompt_fraction)
-    stats = evaluate_policy(model, tokenizer, eval_set, num_generations=args.num_generations)
-    print(json.dumps({k: v for k, v in stats.items() if k != "lengths"}, indent=2))
-    if args.plot:
-        name = "Drift start policy" if args.drift else "Embedded policy"
-        title = f"{name}: completion lengths ({args.num_problems} problems x {args.num_generations}, T=1)"
-        plot_lengths(stats["lengths"], args.plot, title)
-
-
-if __name__ == "__main__":
-    main()
