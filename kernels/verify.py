@@ -25,6 +25,55 @@ def _target_and_draft_block(lp_next, q_row, v, V, rejected, d_next, HAS_Q: tl.co
 
 
 @triton.jit
+def _sample_next_token(
+    lp_next, q_ptr, draft_ptr, u_sample_ptr, row, n, n_valid, K, V, zero, V_BLOCK: tl.constexpr, HAS_Q: tl.constexpr
+):
+    """The next token at position n (row `row`): from the residual max(p - q, 0) after a rejection, else from p (the
+    bonus token), by inverse CDF over the vocabulary in blocks."""
+    rejected = n < n_valid
+    at = tl.maximum(tl.minimum(n, K - 1), 0)  # a valid draft index (n when rejected)
+    d_next = tl.where(rejected, tl.maximum(tl.load(draft_ptr + row * K + at), 0), -1)
+    total_residual = zero
+    total_p = zero
+    for start in range(0, V, V_BLOCK):
+        v = start + tl.arange(0, V_BLOCK)
+        p, q = _target_and_draft_block(lp_next, q_ptr + (row * K + at) * V, v, V, rejected, d_next, HAS_Q)
+        total_residual += tl.sum(tl.maximum(p - q, 0.0), axis=0)
+        total_p += tl.sum(p, axis=0)
+    use_residual = rejected & (total_residual > 0)  # round-off guard, as in the reference
+    target = tl.load(u_sample_ptr + row) * tl.where(use_residual, total_residual, total_p)
+    prefix = zero
+    first = tl.full([], V, tl.int64)
+    last_positive = tl.full([], -1, tl.int64)
+    for start in range(0, V, V_BLOCK):
+        v = start + tl.arange(0, V_BLOCK)
+        p, q = _target_and_draft_block(lp_next, q_ptr + (row * K + at) * V, v, V, rejected, d_next, HAS_Q)
+        r = tl.where(use_residual, tl.maximum(p - q, 0.0), p)
+        positive = (r > 0) & (v < V)
+        hit = ((prefix + tl.cumsum(r, axis=0)) > target) & positive
+        first = tl.minimum(first, tl.min(tl.where(hit, v, V), axis=0).to(tl.int64))
+        last_positive = tl.maximum(last_positive, tl.max(tl.where(positive, v, -1), axis=0).to(tl.int64))
+        prefix += tl.sum(r, axis=0)
+    return tl.where(first < V, first, last_positive)
+
+
+@triton.jit
+def _argmax(lp_next, V, V_BLOCK: tl.constexpr):
+    """The first argmax of a row of V log-probabilities, in blocks."""
+    best_value = tl.full([], float("-inf"), lp_next.dtype.element_ty)
+    token = tl.full([], 0, tl.int64)
+    for start in range(0, V, V_BLOCK):
+        v = start + tl.arange(0, V_BLOCK)
+        block = tl.load(lp_next + v, mask=v < V, other=float("-inf"))
+        block_max = tl.max(block, axis=0)
+        block_index = tl.argmax(block, axis=0).to(tl.int64) + start
+        better = block_max > best_value
+        token = tl.where(better, block_index, token)
+        best_value = tl.where(better, block_max, best_value)
+    return token
+
+
+@triton.jit
 def _verify_kernel(
     logp_ptr,  # (B, K + 1, V) processed target log-probabilities
     draft_ptr,  # (B, K) int64 draft tokens
@@ -79,42 +128,11 @@ def _verify_kernel(
 
     # 2. the next token at position n: from the residual max(p - q, 0) after a rejection, else from p (bonus)
     if DO_SAMPLE:
-        rejected = n < n_valid
-        at = tl.maximum(tl.minimum(n, K - 1), 0)  # a valid draft index (n when rejected)
-        d_next = tl.where(rejected, tl.maximum(tl.load(draft_ptr + row * K + at), 0), -1)
-        total_residual = zero
-        total_p = zero
-        for start in range(0, V, V_BLOCK):
-            v = start + tl.arange(0, V_BLOCK)
-            p, q = _target_and_draft_block(lp_next, q_ptr + (row * K + at) * V, v, V, rejected, d_next, HAS_Q)
-            total_residual += tl.sum(tl.maximum(p - q, 0.0), axis=0)
-            total_p += tl.sum(p, axis=0)
-        use_residual = rejected & (total_residual > 0)  # round-off guard, as in the reference
-        target = tl.load(u_sample_ptr + row) * tl.where(use_residual, total_residual, total_p)
-        prefix = zero
-        first = tl.full([], V, tl.int64)
-        last_positive = tl.full([], -1, tl.int64)
-        for start in range(0, V, V_BLOCK):
-            v = start + tl.arange(0, V_BLOCK)
-            p, q = _target_and_draft_block(lp_next, q_ptr + (row * K + at) * V, v, V, rejected, d_next, HAS_Q)
-            r = tl.where(use_residual, tl.maximum(p - q, 0.0), p)
-            positive = (r > 0) & (v < V)
-            hit = ((prefix + tl.cumsum(r, axis=0)) > target) & positive
-            first = tl.minimum(first, tl.min(tl.where(hit, v, V), axis=0).to(tl.int64))
-            last_positive = tl.maximum(last_positive, tl.max(tl.where(positive, v, -1), axis=0).to(tl.int64))
-            prefix += tl.sum(r, axis=0)
-        token = tl.where(first < V, first, last_positive)
+        token = _sample_next_token(
+            lp_next, q_ptr, draft_ptr, u_sample_ptr, row, n, n_valid, K, V, zero, V_BLOCK=V_BLOCK, HAS_Q=HAS_Q
+        )
     else:
-        best_value = tl.full([], float("-inf"), logp_ptr.dtype.element_ty)
-        token = tl.full([], 0, tl.int64)
-        for start in range(0, V, V_BLOCK):
-            v = start + tl.arange(0, V_BLOCK)
-            block = tl.load(lp_next + v, mask=v < V, other=float("-inf"))
-            block_max = tl.max(block, axis=0)
-            block_index = tl.argmax(block, axis=0).to(tl.int64) + start
-            better = block_max > best_value
-            token = tl.where(better, block_index, token)
-            best_value = tl.where(better, block_max, best_value)
+        token = _argmax(lp_next, V, V_BLOCK=V_BLOCK)
 
     # 3. outputs; emitted log-probs laid out as the reference's (drafts, with the next token at n and at K)
     tl.store(accepted_ptr + row, n)
