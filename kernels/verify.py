@@ -129,10 +129,10 @@ def _verify_kernel(
     # 2. the next token at position n: from the residual max(p - q, 0) after a rejection, else from p (bonus)
     if DO_SAMPLE:
         token = _sample_next_token(
-            lp_next, q_ptr, draft_ptr, u_sample_ptr, row, n, n_valid, K, V, zero, V_BLOCK=V_BLOCK, HAS_Q=HAS_Q
+            lp_next, q_ptr, draft_ptr, u_sample_ptr, row, n, n_valid, K, V, zero, V_BLOCK, HAS_Q
         )
     else:
-        token = _argmax(lp_next, V, V_BLOCK=V_BLOCK)
+        token = _argmax(lp_next, V, V_BLOCK)
 
     # 3. outputs; emitted log-probs laid out as the reference's (drafts, with the next token at n and at K)
     tl.store(accepted_ptr + row, n)
