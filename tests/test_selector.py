@@ -1,9 +1,11 @@
 """The bandit finds the best arm of every batch-size bucket of a simulated cost model, and forgets."""
 
+from contextlib import nullcontext
+
 import pytest
 
 from trl_tlt.selector import BanditSpeculation, batch_size_bucket, ladder_neighbours
-from trl_tlt.selector_sim import CostModel, simulate
+from trl_tlt.selector_sim import CostModel, simulate_selector
 
 
 ARMS = [("ngram", k) for k in (1, 2, 3, 4, 6, 8)]
@@ -27,7 +29,7 @@ def test_bandit_finds_best_arm_per_bucket():
     oracle = {b: cost.oracle_arm(b, all_arms) for b in BATCH_SIZES}
     assert len(set(oracle.values())) >= 3
     steps = 200 * len(BATCH_SIZES)  # ~200 decode steps per bucket
-    report = simulate(selector, cost, all_arms, BATCH_SIZES, steps=steps, seed=1)
+    report = simulate_selector(selector, cost, all_arms, BATCH_SIZES, steps=steps, seed=1)
     best = selector.best_arms()
     for b in BATCH_SIZES:
         assert near_best(cost, b, best[b], all_arms), (b, best[b], oracle[b])
@@ -38,10 +40,10 @@ def test_bandit_finds_best_arm_per_bucket():
 def test_bandit_forgets_when_the_drafter_changes():
     cost = CostModel(alpha=0.9)
     selector = BanditSpeculation(arms=ARMS, epsilon=0.1, decay=0.1, seed=0)
-    simulate(selector, cost, selector.arms, [2], steps=300, seed=2)
+    simulate_selector(selector, cost, selector.arms, [2], steps=300, seed=2)
     assert selector.best_arms()[2][1] >= 4  # a good drafter: speculate far
     cost.alpha = 0.05  # the drafter went stale: speculation no longer pays
-    simulate(selector, cost, selector.arms, [2], steps=300, seed=3)
+    simulate_selector(selector, cost, selector.arms, [2], steps=300, seed=3)
     assert selector.best_arms()[2] == (None, 0)
 
 
@@ -50,7 +52,7 @@ def test_exploring_a_drafter_that_never_pays_is_cheap():
     only tries k = 1. Mutation: explore any arm (`self._rng.choice(self.arms)`) and the regret reads 12%."""
     cost = CostModel(alpha=0.05)
     selector = BanditSpeculation(arms=ARMS, epsilon=0.1, seed=0)
-    report = simulate(selector, cost, selector.arms, BATCH_SIZES, steps=200 * len(BATCH_SIZES), seed=1)
+    report = simulate_selector(selector, cost, selector.arms, BATCH_SIZES, steps=200 * len(BATCH_SIZES), seed=1)
     assert report["time_regret"] < 0.06, report
     assert all(arm == (None, 0) for arm in selector.best_arms().values())
 
@@ -68,3 +70,15 @@ def test_bandit_validation():
         BanditSpeculation(arms=ARMS, epsilon=2.0)
     with pytest.raises(ValueError, match="decay"):
         BanditSpeculation(arms=ARMS, decay=0.0)
+
+
+def test_deprecated_simulate_alias_warns_and_runs_the_same():
+    from trl_tlt.selector_sim import simulate
+
+    cost = CostModel()
+    runs = []
+    for run in (simulate_selector, simulate):
+        selector = BanditSpeculation(arms=ARMS, epsilon=0.1, seed=0)
+        with pytest.warns(DeprecationWarning, match="simulate_selector") if run is simulate else nullcontext():
+            runs.append(run(selector, cost, selector.arms, BATCH_SIZES, steps=50, seed=4))
+    assert runs[0] == runs[1]

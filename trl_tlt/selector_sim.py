@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from dataclasses import dataclass
 
 from .engine import Arm, SpeculationPolicy
@@ -41,7 +42,7 @@ class CostModel:
         return max(arms, key=lambda a: self.rate(batch_size, a))
 
 
-def simulate(
+def simulate_selector(
     selector: SpeculationPolicy, cost: CostModel, arms: list[Arm], batch_sizes: list[int], steps: int, seed: int = 0
 ) -> dict:
     """Run `steps` decode steps at batch sizes drawn uniformly from `batch_sizes`; returns regret figures."""
@@ -58,3 +59,14 @@ def simulate(
         optimal += tokens / cost.rate(batch_size, cost.oracle_arm(batch_size, arms))
     buckets = sorted({batch_size_bucket(b) for b in batch_sizes})
     return {"time_regret": achieved / optimal - 1.0, "buckets": buckets}
+
+
+def simulate(*args, **kwargs) -> dict:
+    """Deprecated alias of `simulate_selector` (`trl_tlt.simulator.simulate` is the cluster simulator); removed in the
+    next release."""
+    warnings.warn(
+        "trl_tlt.selector_sim.simulate is renamed simulate_selector; the alias goes in the next release.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return simulate_selector(*args, **kwargs)
