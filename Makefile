@@ -28,7 +28,7 @@ $(VENV_VLLM)/.installed: pyproject.toml requirements/ci-vllm.txt
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m trl_tlt.demo
+	$(PY) -m trl_tlt.tooling.demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

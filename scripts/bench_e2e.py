@@ -41,7 +41,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
 from trl_tlt.drafter_training import evaluate_acceptance  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
-from trl_tlt.workload import (  # noqa: E402
+from trl_tlt.tooling.workload import (  # noqa: E402
     accuracy_reward,
     build_draft_lm,
     build_eagle3_drafter,

@@ -3,7 +3,7 @@
 Three set-ups, each trainer run back to back on the same prompts and seed (the order alternates between repeats):
 
 - `bigvocab`: a policy with Qwen2.5's vocabulary size (151,665 tokens: the embedded task's tokenizer extended by
-  merges of non-ASCII byte symbols, `trl_tlt.tiny.extend_vocabulary`) and random weights shaped like TRL's tiny test
+  merges of non-ASCII byte symbols, `trl_tlt.tooling.tiny.extend_vocabulary`) and random weights shaped like TRL's tiny test
   models (hidden 8, 2 layers); 8 prompts x 4, 32 completion tokens, 10 steps. `bigvocab_wall_ratio` = TLT / GRPO wall
   time (construction + `train()`), first step included.
 - `bigvocab_trained`: the embedded SFT policy with the same extended vocabulary, its new output rows fitted so that
@@ -40,8 +40,8 @@ from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
 from trl_tlt.drafter_training import evaluate_acceptance  # noqa: E402
 from trl_tlt.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
-from trl_tlt.tiny import build_tokenizer, extend_vocabulary  # noqa: E402
-from trl_tlt.workload import (  # noqa: E402
+from trl_tlt.tooling.tiny import build_tokenizer, extend_vocabulary  # noqa: E402
+from trl_tlt.tooling.workload import (  # noqa: E402
     PolicyRecipe,
     accuracy_reward,
     build_drift_policy,

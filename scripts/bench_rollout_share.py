@@ -29,8 +29,8 @@ from bench_e2e import timed  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from trl_tlt.tiny import build_tiny_model  # noqa: E402
-from trl_tlt.workload import PolicyRecipe, accuracy_reward, build_policy, make_dataset  # noqa: E402
+from trl_tlt.tooling.tiny import build_tiny_model  # noqa: E402
+from trl_tlt.tooling.workload import PolicyRecipe, accuracy_reward, build_policy, make_dataset  # noqa: E402
 
 
 def measure(tokenizer, hidden: int, layers: int, length: int, steps: int, micro_batch: int) -> dict:

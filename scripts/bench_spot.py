@@ -14,7 +14,7 @@ and plotted.
 
     python scripts/bench_spot.py --mode adapt --steps 40 --output docs/benchmarks/spot_adapt_cpu.json
 
-`--mode drift` (one process): `--mode adapt` on the drift scenario (`trl_tlt.workload.build_drift_policy`, reward
+`--mode drift` (one process): `--mode adapt` on the drift scenario (`trl_tlt.tooling.workload.build_drift_policy`, reward
 `style_reward`), one run per `--seeds`: GRPO moves the policy to its second solution style while the reward rises;
 records per seed the acceptance of the online drafter and of a frozen copy of the start (and the time of the
 held-out rollout with each), the reward, the steps-style share, before/after samples; and across seeds
@@ -48,7 +48,7 @@ from trl_tlt.drafter_training import evaluate_acceptance  # noqa: E402
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
 from trl_tlt.engine import SpeculativeEngine  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
-from trl_tlt.workload import (  # noqa: E402
+from trl_tlt.tooling.workload import (  # noqa: E402
     accuracy_reward,
     build_drift_policy,
     build_eagle3_drafter,

@@ -27,7 +27,7 @@ from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
 from trl_tlt.engine import SpeculativeEngine, tree_arm  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
 from trl_tlt.selector import BanditSpeculation  # noqa: E402
-from trl_tlt.workload import build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids  # noqa: E402
+from trl_tlt.tooling.workload import build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids  # noqa: E402
 
 
 def main() -> None:

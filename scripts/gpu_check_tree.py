@@ -1,7 +1,7 @@
 """GPU check of the lean draft/verify loop and tree speculation (docs/engine.md, "The CUDA path").
 
 On the embedded policy and its warm EAGLE-3 head (from `--cache-dir`: build them on a CPU machine with
-`python -m trl_tlt.workload` and carry the directory), prints one table:
+`python -m trl_tlt.tooling.workload` and carry the directory), prints one table:
 
 1. greedy token identity with `model.generate` (float64) for a chain and two trees, batch 1, 5 and 16;
 2. spec-on / spec-off throughput (tokens per second, the bench_rollout protocol) of EAGLE-3 chain and tree arms at
@@ -31,7 +31,7 @@ from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, _DraftSession, _
 from trl_tlt.engine import FixedSpeculation, SpeculativeEngine  # noqa: E402
 from trl_tlt.kv_cache import RaggedKVModel  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
-from trl_tlt.workload import build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids  # noqa: E402
+from trl_tlt.tooling.workload import build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids  # noqa: E402
 
 
 ARMS = {"chain k4": (4,), "chain k6": (6,), "tree 4/2/8": (4, 2, 8), "tree 6/4/24": (6, 4, 24)}

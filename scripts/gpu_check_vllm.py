@@ -33,7 +33,7 @@ from _bench import commit, machine, write_json  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
-from trl_tlt.workload import accuracy_reward, build_eagle3_drafter, build_policy, make_dataset  # noqa: E402
+from trl_tlt.tooling.workload import accuracy_reward, build_eagle3_drafter, build_policy, make_dataset  # noqa: E402
 
 
 def run(policy: str, drafter: str | None, steps: int, max_completion_length: int, memory: float) -> dict:

@@ -1,4 +1,4 @@
-"""Long-tail rollout simulator (`trl_tlt.simulator`): calibration on our CPU measurements and the TLT paper's setup.
+"""Long-tail rollout simulator (`trl_tlt.tooling.simulator`): calibration on our CPU measurements and the TLT paper's setup.
 
     python scripts/simulate.py measure   # ~6 min on 2 CPU cores -> docs/benchmarks/sim_calibration_cpu.json
     python scripts/simulate.py predict   # ~10 s, numpy only -> docs/benchmarks/simulator.json, docs/scale*.png
@@ -33,7 +33,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import numpy as np  # noqa: E402
 
-from trl_tlt.simulator import (  # noqa: E402
+from trl_tlt.tooling.simulator import (  # noqa: E402
     Backend,
     Cluster,
     CostTable,
@@ -58,7 +58,7 @@ def measure(args) -> dict:
     from trl_tlt.engine import FixedSpeculation, SpeculationPolicy, SpeculativeEngine
     from trl_tlt.sampling import SamplingParams
     from trl_tlt.selector import BanditSpeculation
-    from trl_tlt.workload import build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids
+    from trl_tlt.tooling.workload import build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids
 
     torch.manual_seed(args.seed)
     policy_path, drafter_path = build_policy(verbose=False), build_eagle3_drafter(verbose=False)

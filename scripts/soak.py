@@ -26,7 +26,7 @@ from _bench import machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
-from trl_tlt.workload import accuracy_reward, build_policy, make_dataset  # noqa: E402
+from trl_tlt.tooling.workload import accuracy_reward, build_policy, make_dataset  # noqa: E402
 
 
 def slope_per_100(values: list[float]) -> float:

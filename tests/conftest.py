@@ -20,7 +20,7 @@ if not os.path.exists("/dev/nvidia0"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from trl_tlt.tiny import build_tiny_model, build_tokenizer  # noqa: E402
+from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 
 
 CORPUS = [

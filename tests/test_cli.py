@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from trl_tlt import cli
+from trl_tlt.tooling import cli
 
 
 REWARD_MODULE = """

@@ -3,7 +3,7 @@ four plots are written."""
 
 import json
 
-from trl_tlt import demo
+from trl_tlt.tooling import demo
 
 
 def test_demo_runs_and_writes_the_plots(tiny_model_dirs, tmp_path, capsys):

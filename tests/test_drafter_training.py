@@ -18,7 +18,7 @@ from trl_tlt.drafter_training import (
 from trl_tlt.drafters import ModelDrafter
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
 from trl_tlt.sampling import SamplingParams
-from trl_tlt.tiny import build_tiny_model
+from trl_tlt.tooling.tiny import build_tiny_model
 
 
 def test_chunked_kl_equals_full_kl():

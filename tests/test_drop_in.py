@@ -17,7 +17,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
 from trl_tlt.drafters.eagle3 import Eagle3Model
-from trl_tlt.tiny import build_tiny_model
+from trl_tlt.tooling.tiny import build_tiny_model
 
 
 HERE = Path(__file__).parent

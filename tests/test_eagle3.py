@@ -9,7 +9,7 @@ from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.kv_cache import RaggedKVModel
 from trl_tlt.sampling import SamplingParams
-from trl_tlt.tiny import build_tiny_model
+from trl_tlt.tooling.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from trl_tlt.drafters import Draft, ModelDrafter, NgramDrafter
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.sampling import SamplingParams, process_logits
-from trl_tlt.tiny import build_tiny_model
+from trl_tlt.tooling.tiny import build_tiny_model
 
 
 EOS = 2

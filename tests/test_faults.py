@@ -26,7 +26,7 @@ from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.sampling import SamplingParams
 from trl_tlt.spot import DataBuffer, SpotSchedule, SpotTrainer
-from trl_tlt.tiny import build_tiny_model, build_tokenizer
+from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer
 
 
 class FaultyDrafter(ModelDrafter):

@@ -154,7 +154,7 @@ def test_kernels_ship_inside_the_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "trl_tlt/kernels/verify.py" in names and "trl_tlt/kernels/__init__.py" in names
     assert not [n for n in names if n.startswith("kernels/")]
-    assert "trl_tlt/accelerate_configs/zero3.yaml" in names  # package data of the CLI
+    assert "trl_tlt/tooling/accelerate_configs/zero3.yaml" in names  # package data of the CLI
 
 
 def test_micro_benchmark_script_runs(tmp_path):

@@ -5,7 +5,7 @@ from contextlib import nullcontext
 import pytest
 
 from trl_tlt.selector import BanditSpeculation, batch_size_bucket, ladder_neighbours
-from trl_tlt.selector_sim import CostModel, simulate_selector
+from trl_tlt.tooling.selector_sim import CostModel, simulate_selector
 
 
 ARMS = [("ngram", k) for k in (1, 2, 3, 4, 6, 8)]
@@ -73,12 +73,12 @@ def test_bandit_validation():
 
 
 def test_deprecated_simulate_alias_warns_and_runs_the_same():
-    from trl_tlt.selector_sim import simulate
+    from trl_tlt.tooling.selector_sim import simulate
 
     cost = CostModel()
     runs = []
     for run in (simulate_selector, simulate):
         selector = BanditSpeculation(arms=ARMS, epsilon=0.1, seed=0)
-        with pytest.warns(DeprecationWarning, match="simulate_selector") if run is simulate else nullcontext():
+        with pytest.warns(FutureWarning, match="simulate_selector") if run is simulate else nullcontext():
             runs.append(run(selector, cost, selector.arms, BATCH_SIZES, steps=50, seed=4))
     assert runs[0] == runs[1]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from trl_tlt.simulator import (
+from trl_tlt.tooling.simulator import (
     Backend,
     Cluster,
     CostTable,

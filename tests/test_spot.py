@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from trl_tlt.drafters.eagle3 import Eagle3Model
 from trl_tlt.spot import HELD_OUT_EVERY, DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
-from trl_tlt.tiny import build_tiny_model, build_tokenizer
+from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer
 
 
 def rollout(n, length, offset=0):

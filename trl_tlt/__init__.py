@@ -6,6 +6,8 @@ use lossless speculative decoding.
 
 import importlib
 
+from . import _moved
+
 
 __version__ = "0.1.0.dev0"
 __all__ = ["TLTConfig", "TLTGRPOTrainer", "__version__"]
@@ -13,6 +15,9 @@ __all__ = ["TLTConfig", "TLTGRPOTrainer", "__version__"]
 # Imported on first use: vLLM imports `trl_tlt.vllm_cpu_fix` (its plugin) in every engine process, which must not pull
 # in TRL and the trainer.
 _LAZY = {"TLTConfig": ".config", "TLTGRPOTrainer": ".trainer"}
+
+
+_moved.install()
 
 
 def __getattr__(name: str):

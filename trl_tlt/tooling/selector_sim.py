@@ -16,8 +16,8 @@ import random
 import warnings
 from dataclasses import dataclass
 
-from .engine import Arm, SpeculationPolicy
-from .selector import batch_size_bucket
+from trl_tlt.engine import Arm, SpeculationPolicy
+from trl_tlt.selector import batch_size_bucket
 
 
 @dataclass
@@ -62,11 +62,11 @@ def simulate_selector(
 
 
 def simulate(*args, **kwargs) -> dict:
-    """Deprecated alias of `simulate_selector` (`trl_tlt.simulator.simulate` is the cluster simulator); removed in the
+    """Deprecated alias of `simulate_selector` (`trl_tlt.tooling.simulator.simulate` is the cluster simulator); removed in the
     next release."""
     warnings.warn(
-        "trl_tlt.selector_sim.simulate is renamed simulate_selector; the alias goes in the next release.",
-        DeprecationWarning,
+        "trl_tlt.tooling.selector_sim.simulate is renamed simulate_selector; the alias goes in the next release.",
+        FutureWarning,
         stacklevel=2,
     )
     return simulate_selector(*args, **kwargs)

@@ -253,8 +253,8 @@ def _warm_start_eagle3(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..drafter_training import DistillConfig, warm_start_drafter
-    from ..sampling import SamplingParams
+    from trl_tlt.drafter_training import DistillConfig, warm_start_drafter
+    from trl_tlt.sampling import SamplingParams
 
     path = policy_path.parent / name
     if (path / "config.json").exists():

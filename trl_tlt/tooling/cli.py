@@ -1,11 +1,11 @@
 """`trl-tlt grpo`: TRL's GRPO script with `TLTGRPOTrainer`, in TRL's style (dataclass arguments, YAML, `TrlParser`).
-`trl-tlt train-drafter`: warm-start a drafter before RL (`trl_tlt.warm_start`; `trl-tlt train-drafter --help`).
+`trl-tlt train-drafter`: warm-start a drafter before RL (`trl_tlt.tooling.warm_start`; `trl-tlt train-drafter --help`).
 
     trl-tlt grpo --config recipe.yaml
-    accelerate launch --config_file $(trl-tlt accelerate-config zero3) -m trl_tlt.cli grpo --config recipe.yaml
+    accelerate launch --config_file $(trl-tlt accelerate-config zero3) -m trl_tlt.tooling.cli grpo --config recipe.yaml
 
 Arguments are those of `trl grpo` (`GRPOScriptArguments`, `ModelConfig`, `DatasetMixtureConfig`) with `TLTConfig`
-in place of `GRPOConfig`. `dataset_name: embedded` trains on the embedded workload (`trl_tlt.workload`); any other
+in place of `GRPOConfig`. `dataset_name: embedded` trains on the embedded workload (`trl_tlt.tooling.workload`); any other
 dataset needs a `prompt` column. `reward_funcs` takes TRL's built-ins, `workload_accuracy` (the embedded task's
 reward), or a function by import path: `my_module:my_reward` or `my_module.my_reward`.
 """
@@ -90,7 +90,7 @@ def grpo(argv: list[str] | None = None):
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser, get_peft_config
     from trl.scripts.grpo import GRPOScriptArguments
 
-    from . import TLTConfig, TLTGRPOTrainer
+    from trl_tlt import TLTConfig, TLTGRPOTrainer
 
     parser = TrlParser((GRPOScriptArguments, TLTConfig, ModelConfig, DatasetMixtureConfig), prog="trl-tlt grpo")
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(

@@ -1,4 +1,4 @@
-"""The embedded policy described: accuracy and completion lengths, a length histogram (`python -m trl_tlt.workload`)."""
+"""The embedded policy described: accuracy and completion lengths, a length histogram (`python -m trl_tlt.tooling.workload`)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def evaluate_policy(
     import numpy as np
     import torch
 
-    from ..engine import SpeculativeEngine
-    from ..sampling import SamplingParams
+    from trl_tlt.engine import SpeculativeEngine
+    from trl_tlt.sampling import SamplingParams
 
     engine = SpeculativeEngine(model, pad_token_id=tokenizer.pad_token_id)
     params = SamplingParams(

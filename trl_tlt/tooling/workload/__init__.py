@@ -15,7 +15,7 @@ long-tailed like reasoning RL: a few rollouts run 10-20x longer than the median.
 final answer. The policy is a Qwen2-architecture model (8 decoder layers, ~2.5M parameters) trained by SFT on
 generated solutions with TRL's `SFTTrainer`, cached on disk under a key derived from the recipe.
 
-Run `python -m trl_tlt.workload` to build (or load) the policy and print its length distribution and accuracy.
+Run `python -m trl_tlt.tooling.workload` to build (or load) the policy and print its length distribution and accuracy.
 """
 
 from .builds import (

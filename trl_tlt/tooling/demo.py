@@ -1,6 +1,6 @@
 """The main job (`make demo`): GRPO with TLTGRPOTrainer on the embedded workload, built offline, next to TRL's own.
 
-Builds (or reuses from the cache) the drift scenario of `trl_tlt.workload` (`build_drift_policy`: the embedded SFT
+Builds (or reuses from the cache) the drift scenario of `trl_tlt.tooling.workload` (`build_drift_policy`: the embedded SFT
 policy fine-tuned so that a second solution style is in its support, and its warm-start EAGLE-3 drafter); GRPO under
 `style_reward` (1 for a correct answer, times 1.5 in the "Step 1: 7+13=20" style) moves the policy to that style
 while the reward rises, so a drafter frozen at the start goes stale. Then:
@@ -15,7 +15,7 @@ while the reward rises, so a drafter frozen at the start goes stale. Then:
    of the longest rollout with speculation marked (the long tail), rollout time per step and reward per step (TLT
    vs GRPO); exports the drafter and prints how to serve it with vLLM. Nothing is downloaded.
 
-    python -m trl_tlt.demo [--steps 30] [--scenario drift|embedded] [--output-dir DIR] [--plots-dir DIR] [--no-baseline]
+    python -m trl_tlt.tooling.demo [--steps 30] [--scenario drift|embedded] [--output-dir DIR] [--plots-dir DIR] [--no-baseline]
 
 `--scenario embedded` runs the embedded policy under its accuracy reward instead (little drift: adaptive and frozen
 drafters stay equal).
@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
         os.environ.setdefault(var, "1")
     from transformers import AutoTokenizer
 
-    from trl_tlt.workload import build_drift_policy, build_eagle3_drafter, build_policy, make_dataset
+    from trl_tlt.tooling.workload import build_drift_policy, build_eagle3_drafter, build_policy, make_dataset
 
     if args.policy:
         policy_path, drafter_path = args.policy, args.drafter
@@ -121,7 +121,7 @@ def grpo_settings(args, tensorboard: bool) -> tuple[dict, object]:
     """The settings both trainers share, and the reward functions of the scenario."""
     import torch
 
-    from trl_tlt.workload import accuracy_reward, drift_rewards
+    from trl_tlt.tooling.workload import accuracy_reward, drift_rewards
 
     common = dict(
         use_cpu=not torch.cuda.is_available(),
@@ -167,7 +167,7 @@ def run_tlt(args, policy_path, drafter_path, output_dir, common, data, history) 
     from trl_tlt.drafter_training import evaluate_acceptance
     from trl_tlt.drafters.eagle3 import Eagle3Drafter
     from trl_tlt.sampling import SamplingParams
-    from trl_tlt.workload import make_dataset, prompt_token_ids
+    from trl_tlt.tooling.workload import make_dataset, prompt_token_ids
 
     reward_funcs, tokenizer, train_set = data
     eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=999)["prompt"])

@@ -12,7 +12,7 @@ layout vLLM loads, or the small LM / its LoRA adapters) and `train_report.json`;
     trl-tlt train-drafter --policy my-policy --dataset data.jsonl --drafter-type model \
         --drafter-model my-small-lm --lora-r 16 --output out/lm-lora
 
-The defaults are the embedded warm-start recipe (`trl_tlt.workload.DrafterRecipe`: 2,000 prompts, 5 epochs, learning
+The defaults are the embedded warm-start recipe (`trl_tlt.tooling.workload.DrafterRecipe`: 2,000 prompts, 5 epochs, learning
 rate 2e-3, 1,024 tokens per batch), which took the embedded policy's head from 1.02 to 4.27 tokens per step at k=4.
 """
 
@@ -25,8 +25,8 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .drafter_training import DistillConfig, warm_start_drafter
-from .sampling import SamplingParams
+from trl_tlt.drafter_training import DistillConfig, warm_start_drafter
+from trl_tlt.sampling import SamplingParams
 
 
 def load_prompts(args, tokenizer):

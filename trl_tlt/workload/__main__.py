@@ -1,6 +1,0 @@
-"""`python -m trl_tlt.workload`: build (or load) the embedded policy and describe it."""
-
-from .evaluate import main
-
-
-main()
