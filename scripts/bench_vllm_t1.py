@@ -39,8 +39,8 @@ from trl_tlt.config import TLTConfig  # noqa: E402
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
 from trl_tlt.engine import SpeculativeEngine  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
-from trl_tlt.vllm_generation import acceptance_stats, speculative_config  # noqa: E402
 from trl_tlt.tooling.workload import build_eagle3_drafter, build_policy, make_dataset  # noqa: E402
+from trl_tlt.vllm_generation import acceptance_stats, speculative_config  # noqa: E402
 
 
 RULES = ("greedy", "probabilistic")

