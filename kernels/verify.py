@@ -1,9 +1,10 @@
 """Fused speculative verification: one Triton program per row, one launch per decode step.
 
-Computes what `trl_tlt.speculative.verify_reference` computes, from the same inputs and uniforms: the target's
+Computes what `trl_tlt.rejection_sampler.verify_reference` computes, from the same inputs and uniforms: the target's
 probabilities at the drafted tokens, the acceptance tests, the accepted length n, the residual (or bonus)
-distribution at position n, its inverse-CDF sample and the log-probabilities of the emitted tokens. The torch
-version takes ~15 kernel launches per step; at the small batches of the long tail, launches dominate.
+distribution at position n, its inverse-CDF sample (`trl_tlt.sampling.sample_inverse_cdf`; where rounding leaves
+no token above u x total, the last of positive probability) and the log-probabilities of the emitted tokens. The
+torch version takes ~15 kernel launches per step; at the small batches of the long tail, launches dominate.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def verify_triton(
     uniform_accept: torch.Tensor | None,
     uniform_sample: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same arguments and results as `trl_tlt.speculative.verify_reference`, in one kernel launch."""
+    """Same arguments and results as `trl_tlt.rejection_sampler.verify_reference`, in one kernel launch."""
     batch, k_plus_1, vocab = target_logprobs.shape
     k = k_plus_1 - 1
     logp = target_logprobs.contiguous()

@@ -18,7 +18,7 @@ import torch
 from _bench import write_json
 
 from trl_tlt.kernels import verify_triton
-from trl_tlt.speculative import verify_reference
+from trl_tlt.rejection_sampler import verify_reference
 
 
 def case(batch, k, vocab, do_sample, device, generator):

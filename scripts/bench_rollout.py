@@ -33,8 +33,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
-from trl_tlt.engine import FixedSpeculation, SpeculativeEngine  # noqa: E402
+from trl_tlt.engine import SpeculativeEngine  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
+from trl_tlt.speculation import FixedSpeculation  # noqa: E402
 from trl_tlt.tooling.workload import (  # noqa: E402
     build_draft_lm,
     build_eagle3_drafter,

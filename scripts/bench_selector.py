@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
-from trl_tlt.engine import FixedSpeculation, SpeculativeEngine  # noqa: E402
+from trl_tlt.engine import SpeculativeEngine  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
-from trl_tlt.selector import BanditSpeculation  # noqa: E402
+from trl_tlt.speculation import BanditSpeculation, FixedSpeculation  # noqa: E402
 from trl_tlt.tooling.workload import (  # noqa: E402
     build_draft_lm,
     build_eagle3_drafter,
@@ -124,7 +124,7 @@ def main() -> None:
         "epsilon": args.epsilon,
         "drafter_set": args.drafter_set,
         "bandit_arms": [list(a) for a in bandit.arms],
-        "bandit_best_arms": {str(b): list(a) for b, a in bandit.best_arms().items()},
+        "bandit_best_arms": {str(b): list(a if a.is_tree else a[:2]) for b, a in bandit.best_arms().items()},
     }
     for name, seconds in sorted(totals.items(), key=lambda x: x[1]):
         print(f"{name:<12}{seconds:8.2f}s")

@@ -24,9 +24,9 @@ from _bench import machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
-from trl_tlt.engine import SpeculativeEngine, tree_arm  # noqa: E402
+from trl_tlt.engine import SpeculativeEngine  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
-from trl_tlt.selector import BanditSpeculation  # noqa: E402
+from trl_tlt.speculation import BanditSpeculation, tree_arm  # noqa: E402
 from trl_tlt.tooling.workload import build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids  # noqa: E402
 
 
@@ -73,7 +73,9 @@ def main() -> None:
             "tokens_per_second": rate,
             "with_trees_over_without": rate["chains+trees"] / rate["chains"],
             "tree_step_fraction": tree_steps["chains+trees"] / steps["chains+trees"],
-            "best_arms_with_trees": {str(b): list(a) for b, a in bandits["chains+trees"].best_arms().items()},
+            "best_arms_with_trees": {
+                str(b): list(a if a.is_tree else a[:2]) for b, a in bandits["chains+trees"].best_arms().items()
+            },
         }
         result["per_shape"][shape] = row
         print(

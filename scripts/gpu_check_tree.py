@@ -28,9 +28,10 @@ from _bench import machine, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, _DraftSession, _LeanHead  # noqa: E402
-from trl_tlt.engine import FixedSpeculation, SpeculativeEngine  # noqa: E402
+from trl_tlt.engine import SpeculativeEngine  # noqa: E402
 from trl_tlt.kv_cache import RaggedKVModel  # noqa: E402
 from trl_tlt.sampling import SamplingParams  # noqa: E402
+from trl_tlt.speculation import FixedSpeculation  # noqa: E402
 from trl_tlt.tooling.workload import build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids  # noqa: E402
 
 

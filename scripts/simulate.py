@@ -55,9 +55,9 @@ def measure(args) -> dict:
 
     from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
     from trl_tlt.drafters.ngram import NgramDrafter
-    from trl_tlt.engine import FixedSpeculation, SpeculationPolicy, SpeculativeEngine
+    from trl_tlt.engine import SpeculativeEngine
     from trl_tlt.sampling import SamplingParams
-    from trl_tlt.selector import BanditSpeculation
+    from trl_tlt.speculation import BanditSpeculation, FixedSpeculation, SpeculationPolicy
     from trl_tlt.tooling.workload import build_eagle3_drafter, build_policy, make_dataset, prompt_token_ids
 
     torch.manual_seed(args.seed)

@@ -306,13 +306,16 @@ def test_ngram_drafter_copies_from_prompt_and_siblings():
 
 
 def test_bandit_over_several_drafters_stays_lossless(tiny_model_f64, tokenizer):
-    from trl_tlt.selector import BanditSpeculation
+    from trl_tlt.speculation import BanditSpeculation
 
     model = tiny_model_f64
     prompts = random_prompts(6, model.config.vocab_size, seed=9) * 2
     expected = hf_greedy(model, prompts, max_new_tokens=20)
     drafters = {"ngram": make_drafter("ngram", model, tokenizer), "lm": make_drafter("model", model, tokenizer)}
-    selector = BanditSpeculation(arms=[("ngram", 2), ("lm", 1), ("lm", 3)], epsilon=0.5, seed=0)
+    # A modelled cost (not wall time): the arms played, and so this test, are the same on every machine.
+    selector = BanditSpeculation(
+        arms=[("ngram", 2), ("lm", 1), ("lm", 3)], epsilon=0.5, seed=0, cost_model=lambda arm: 1.0 + arm.k
+    )
     engine = SpeculativeEngine(model, drafter=drafters, speculation=selector)
     out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=20, eos_token_ids=(EOS,)))
     assert out.completion_ids == expected

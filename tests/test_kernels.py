@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from trl_tlt.engine import SpeculativeEngine
+from trl_tlt.rejection_sampler import use_triton, verify_drafts, verify_reference
 from trl_tlt.sampling import SamplingParams
-from trl_tlt.speculative import use_triton, verify_drafts, verify_reference
 
 
 pytestmark = pytest.mark.skipif(

@@ -4,7 +4,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from trl_tlt.selector import BanditSpeculation, batch_size_bucket, ladder_neighbours
+from trl_tlt.speculation import NO_SPECULATION, Arm, BanditSpeculation, batch_size_bucket, ladder_neighbours
 from trl_tlt.tooling.selector_sim import CostModel, simulate_selector
 
 
@@ -44,7 +44,7 @@ def test_bandit_forgets_when_the_drafter_changes():
     assert selector.best_arms()[2][1] >= 4  # a good drafter: speculate far
     cost.alpha = 0.05  # the drafter went stale: speculation no longer pays
     simulate_selector(selector, cost, selector.arms, [2], steps=300, seed=3)
-    assert selector.best_arms()[2] == (None, 0)
+    assert selector.best_arms()[2] == NO_SPECULATION
 
 
 def test_exploring_a_drafter_that_never_pays_is_cheap():
@@ -54,15 +54,16 @@ def test_exploring_a_drafter_that_never_pays_is_cheap():
     selector = BanditSpeculation(arms=ARMS, epsilon=0.1, seed=0)
     report = simulate_selector(selector, cost, selector.arms, BATCH_SIZES, steps=200 * len(BATCH_SIZES), seed=1)
     assert report["time_regret"] < 0.06, report
-    assert all(arm == (None, 0) for arm in selector.best_arms().values())
+    assert all(arm == NO_SPECULATION for arm in selector.best_arms().values())
 
 
 def test_ladder_neighbours():
-    arms = [(None, 0), ("a", 1), ("a", 4), ("a", 4, 2, 8), ("b", 2)]
+    none, a1, a4, a4_tree, b2 = NO_SPECULATION, Arm("a", 1), Arm("a", 4), Arm("a", 4, 2, 8), Arm("b", 2)
+    arms = [none, a1, a4, a4_tree, b2]
     near = ladder_neighbours(arms)
-    assert near[(None, 0)] == [("a", 1), ("b", 2)]
-    assert near[("a", 1)] == [(None, 0), ("a", 4)] and near[("a", 4)] == [("a", 1), ("a", 4, 2, 8)]
-    assert near[("a", 4, 2, 8)] == [("a", 4)] and near[("b", 2)] == [(None, 0)]
+    assert near[none] == [a1, b2]
+    assert near[a1] == [none, a4] and near[a4] == [a1, a4_tree]
+    assert near[a4_tree] == [a4] and near[b2] == [none]
 
 
 def test_bandit_validation():

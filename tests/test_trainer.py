@@ -126,7 +126,7 @@ def test_trains_one_step_with_tlt_metrics(tiny_model_dirs, tmp_path, drafter_typ
         "tlt/rollout_seconds",
     ):
         assert key in logged, key
-    assert all(len(arm) == 2 for arm in getattr(trainer.tlt_speculation, "arms", []))  # chains by default
+    assert not any(arm.is_tree for arm in getattr(trainer.tlt_speculation, "arms", []))  # chains by default
     stats = trainer.tlt_last_stats
     assert stats.num_prompts == 8
     if drafter_type == "none":
@@ -194,7 +194,7 @@ def test_speculative_trees_adds_tree_arms(tiny_model_dirs, tmp_path, drafter_typ
     trainer = train_one_step(
         TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, speculative_trees=True, **extra
     )
-    tree_arms = [arm for arm in trainer.tlt_speculation.arms if len(arm) == 4]
+    tree_arms = [arm for arm in trainer.tlt_speculation.arms if arm.is_tree]
     assert tree_arms == ([("default", 6, 2, 12), ("default", 6, 4, 24)] if drafter_type != "ngram" else [])
 
 

@@ -20,8 +20,9 @@ from test_engine import (
 
 import trl_tlt.engine as engine_module
 from trl_tlt.drafters import ModelDrafter
-from trl_tlt.engine import FixedSpeculation, SpeculativeEngine, tree_arm
+from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.sampling import SamplingParams
+from trl_tlt.speculation import FixedSpeculation, tree_arm
 from trl_tlt.tree import DraftTree, checked_tree, depths_from_ancestors, tree_ancestors
 
 
@@ -156,7 +157,7 @@ def test_tree_helpers():
 
 def test_bandit_mixes_chain_and_tree_arms_losslessly(tiny_model_f64, tokenizer):
     from trl_tlt.drafters import NgramDrafter
-    from trl_tlt.selector import BanditSpeculation
+    from trl_tlt.speculation import BanditSpeculation
 
     model = tiny_model_f64
     prompts = random_prompts(6, model.config.vocab_size, seed=9) * 2

@@ -14,7 +14,9 @@ import warnings
 MOVED = {
     "trl_tlt.cli": "trl_tlt.tooling.cli",
     "trl_tlt.demo": "trl_tlt.tooling.demo",
+    "trl_tlt.selector": "trl_tlt.speculation",
     "trl_tlt.selector_sim": "trl_tlt.tooling.selector_sim",
+    "trl_tlt.speculative": "trl_tlt.rejection_sampler",
     "trl_tlt.simulator": "trl_tlt.tooling.simulator",
     "trl_tlt.tiny": "trl_tlt.tooling.tiny",
     "trl_tlt.warm_start": "trl_tlt.tooling.warm_start",

@@ -25,8 +25,14 @@ from transformers.utils import logging
 
 from .drafters.base import DraftContext, Drafter
 from .kv_cache import RaggedKVModel
+from .rejection_sampler import verify_drafts
 from .sampling import SamplingParams, process_logits, upcast_logits
-from .speculative import verify_drafts
+from .speculation import (
+    Arm,
+    FixedSpeculation,
+    SpeculationPolicy,
+    tree_arm,  # noqa: F401  (its old import path, deprecated)
+)
 from .tree import checked_tree, depths_from_ancestors, verify_tree
 
 
@@ -108,21 +114,6 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-# A speculation arm: (drafter name, k) drafts a chain of k tokens, (drafter name, depth, topk, verify) a tree;
-# (None, 0) = no speculation.
-Arm = tuple
-
-
-def tree_arm(drafter: str | None, depth: int, topk: int, verify: int) -> Arm:
-    """A tree arm, checked: `verify` nodes of a tree `depth` deep whose expanded nodes have `topk` children."""
-    if depth < 1 or topk < 1 or verify < 1:
-        raise ValueError(f"A tree needs depth, topk and verify >= 1, got ({depth}, {topk}, {verify}).")
-    most = topk + (depth - 1) * topk * topk
-    if verify > most:
-        raise ValueError(f"A tree {depth} deep with topk={topk} drafts {most} nodes at most; got verify={verify}.")
-    return (drafter, depth, topk, verify)
-
-
 @dataclass
 class _Run:
     """The state of one `generate` call: the policy's cache, the drafters' view (`ctx`), what each row emitted."""
@@ -151,36 +142,6 @@ def _prompt_tokens(prompts: list[list[int]], vocab: int, device) -> torch.Tensor
     for row, prompt in enumerate(prompts):
         seen[row, torch.tensor(prompt, device=device)] = True
     return seen
-
-
-class SpeculationPolicy:
-    """Decides, before each decode step, which drafter drafts how many tokens for the active batch size."""
-
-    def choose(self, batch_size: int) -> Arm:
-        raise NotImplementedError
-
-    def update(self, batch_size: int, arm: Arm, num_emitted_tokens: int, seconds: float) -> None:
-        """Feedback after the step (for adaptive policies)."""
-
-
-class FixedSpeculation(SpeculationPolicy):
-    """The same drafter and k at every batch size (k = 0: no speculation).
-
-    With `topk` and `verify` the drafter drafts a tree of depth k instead of a chain (`trl_tlt.tree`): it expands
-    the `topk` best children of its `topk` best nodes at every depth and the policy verifies the `verify` best nodes.
-    """
-
-    def __init__(self, k: int, drafter: str | None = None, topk: int | None = None, verify: int | None = None):
-        if k < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}.")
-        self.arm: Arm = (drafter, k) if k > 0 else (None, 0)
-        if (topk is None) != (verify is None):
-            raise ValueError("A tree needs both `topk` and `verify` (or neither, for a chain).")
-        if topk is not None and k > 0:
-            self.arm = tree_arm(drafter, k, topk, verify)
-
-    def choose(self, batch_size: int) -> Arm:
-        return self.arm
 
 
 def group_ids_from_prompts(prompts: list[list[int]]) -> list[int]:
@@ -321,7 +282,7 @@ class SpeculativeEngine:
         active = run.ctx.row_ids.numel()
         step_start = time.perf_counter()
         arm = self.speculation.choose(active)
-        name, k, *_ = arm  # (name, k) drafts a chain, (name, depth, topk, verify) a tree
+        name, k = arm.drafter, arm.k
         if k > 0 and name not in run.started:
             self._start_drafter(run, name)
         rows = run.ctx.row_ids.tolist()
@@ -361,18 +322,18 @@ class SpeculativeEngine:
         """This step's draft from `drafter` for `arm`, checked and cut to the token budget (`remaining` per row):
         (draft_ids, draft_probs, num_drafts, valid_rows, tree) with tree = (DraftTree, ancestors, depths) for a
         tree arm, else None; no drafter (k = 0): no drafts."""
-        name, k, *tree_shape = arm
         active, device = remaining.numel(), remaining.device
         if drafter is None:
             empty = torch.zeros((active, 0), dtype=torch.long, device=device)
             return empty, None, torch.zeros(active, dtype=torch.long, device=device), None, None
-        if tree_shape:
+        k = arm.k
+        if arm.is_tree:
             if not hasattr(drafter, "propose_tree"):
                 raise ValueError(
-                    f"The speculation policy chose a tree arm {arm} but drafter {name!r} "
-                    f"({type(drafter).__name__}) drafts chains only; use (name, k) arms for it."
+                    f"The speculation policy chose a tree arm {arm} but drafter {arm.drafter!r} "
+                    f"({type(drafter).__name__}) drafts chains only; use chain arms (Arm(name, k)) for it."
                 )
-            tree, ancestors, valid_rows = checked_tree(drafter.propose_tree(ctx, k, *tree_shape), vocab, k)
+            tree, ancestors, valid_rows = checked_tree(drafter.propose_tree(ctx, k, arm.topk, arm.verify), vocab, k)
             # Never draft past the budget: a path of depth d emits d + 1 tokens.
             depths = depths_from_ancestors(ancestors)
             tree.valid &= depths <= (remaining - 1)[:, None]

@@ -125,14 +125,22 @@ def _draft_distribution(logits: torch.Tensor, params: SamplingParams) -> tuple[t
     return logprobs, probs
 
 
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row (B,) from a distribution (B, V) (unnormalised, finite, non-negative, with mass), by inverse
-    CDF on one uniform per row: the first token whose cumulative probability reaches (1 - u) x total, u ~ U[0, 1).
-    Exact, and a few times cheaper than `torch.multinomial` on CPU for one sample. The target is in (0, total], so
-    the token always has positive probability and lies in the vocabulary."""
+def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row (B,) from a distribution (B, V) (unnormalised, finite, non-negative, with mass) and one
+    uniform per row (B,) in [0, 1]: the first token whose cumulative probability exceeds u x total, or where none
+    does (u = 1, or rounding), the last token that adds mass. Either way a token of positive probability. Exact, and
+    a few times cheaper than `torch.multinomial` on CPU. `kernels/verify.py` computes the same, in blocks."""
     cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    first_above = (cumulative <= uniform[:, None] * total).sum(dim=-1)
+    last_adding_mass = (cumulative < total).sum(dim=-1)
+    return torch.minimum(first_above, last_adding_mass)
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """`sample_inverse_cdf` on a fresh uniform per row, drawn from `generator`."""
     uniform = torch.rand((probs.size(0), 1), generator=generator, device=probs.device, dtype=probs.dtype)
-    return (cumulative < (1 - uniform) * cumulative[:, -1:]).sum(dim=-1)
+    return sample_inverse_cdf(probs, (1 - uniform)[:, 0])
 
 
 def sample_draft(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, sample_categorical, sample_draft_logprobs
-from .speculative import sample_inverse_cdf
+from .sampling import SamplingParams, sample_categorical, sample_draft_logprobs, sample_inverse_cdf
 
 
 @dataclass

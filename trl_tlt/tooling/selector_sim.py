@@ -16,8 +16,7 @@ import random
 import warnings
 from dataclasses import dataclass
 
-from trl_tlt.engine import Arm, SpeculationPolicy
-from trl_tlt.selector import batch_size_bucket
+from trl_tlt.speculation import Arm, SpeculationPolicy, batch_size_bucket
 
 
 @dataclass
@@ -30,7 +29,7 @@ class CostModel:
 
     def expected(self, batch_size: int, arm: Arm) -> tuple[float, float]:
         """(expected emitted tokens, step seconds)."""
-        k = arm[1]
+        k = arm.k
         tokens = batch_size * ((1 - self.alpha ** (k + 1)) / (1 - self.alpha) if k else 1.0)
         return tokens, self.c_fixed + self.c_token * batch_size * (k + 1) + self.c_draft * k
 
@@ -46,6 +45,7 @@ def simulate_selector(
     selector: SpeculationPolicy, cost: CostModel, arms: list[Arm], batch_sizes: list[int], steps: int, seed: int = 0
 ) -> dict:
     """Run `steps` decode steps at batch sizes drawn uniformly from `batch_sizes`; returns regret figures."""
+    arms = [Arm(*a) for a in arms]
     rng = random.Random(seed)
     achieved = optimal = 0.0
     for _ in range(steps):

@@ -13,8 +13,7 @@ from ..drafter_training import DistillConfig
 from ..drafters import Drafter, ModelDrafter, NgramDrafter
 from ..drafters.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, DraftVocabulary
 from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
-from ..engine import Arm, FixedSpeculation, SpeculationPolicy, tree_arm
-from ..selector import BANDIT_DRAFT_LENGTHS, BanditSpeculation
+from ..speculation import BANDIT_DRAFT_LENGTHS, Arm, BanditSpeculation, FixedSpeculation, SpeculationPolicy, tree_arm
 from ..spot import DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
 
 
@@ -165,7 +164,7 @@ class DrafterSetup:
         k_max = self.args.num_speculative_tokens
         if self.args.speculative_selector == "fixed":
             return FixedSpeculation(k_max, "default")
-        arms = [("default", k) for k in BANDIT_DRAFT_LENGTHS if k <= k_max] + [("default", k_max)]
+        arms = [Arm("default", k) for k in BANDIT_DRAFT_LENGTHS if k <= k_max] + [Arm("default", k_max)]
         if self.args.speculative_trees and hasattr(self.tlt_drafter, "propose_tree"):
             arms += [tree_arm("default", k_max, topk, topk * k_max) for topk in (2, 4)]
         cost_model = self._modelled_step_cost() if self.args.selector_deterministic else None
@@ -182,7 +181,7 @@ class DrafterSetup:
         ratio = 0.0 if drafter is None else _num_parameters(drafter) / _num_parameters(policy)
 
         def cost(arm: Arm) -> float:
-            return 1.0 + arm[1] * ratio
+            return 1.0 + arm.k * ratio
 
         return cost
 

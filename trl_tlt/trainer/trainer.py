@@ -25,11 +25,11 @@ from trl.trainer import grpo_trainer
 
 from ..config import TLTConfig, as_tlt_config
 from ..drafters import Drafter
-from ..engine import FixedSpeculation, GenerationStats, SpeculativeEngine
+from ..engine import GenerationStats, SpeculativeEngine
 from ..kv_cache import ragged_cache_mismatch
 from ..micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
 from ..sampling import SamplingParams
-from ..selector import batch_size_bucket
+from ..speculation import FixedSpeculation, batch_size_bucket
 from ..spot import SpotStats
 from ..vllm_generation import DrafterWatchdog
 from .callbacks import GracefulStop, JoinDrafterWrites

@@ -1,8 +1,9 @@
-"""Adaptive speculation: a bucketed epsilon-greedy bandit that picks, per decode step, whether and how far to draft.
+"""Speculation policies: before each decode step, which drafter drafts how far (an `Arm`) for the active batch size.
 
-TLT's BEG-MAB, made to really explore and to forget. Arms are (drafter name, k) pairs plus "no speculation"
-(None, 0). Active batch sizes fall into power-of-two buckets (1, 2, 3-4, 5-8, ...); each bucket keeps, per arm, an
-exponentially weighted mean of the reward
+`FixedSpeculation` plays one arm at every batch size. `BanditSpeculation` is adaptive: TLT's BEG-MAB, a bucketed
+epsilon-greedy bandit made to really explore and to forget. Its arms are chains and trees of each drafter plus "no
+speculation" (`NO_SPECULATION`). Active batch sizes fall into power-of-two buckets (1, 2, 3-4, 5-8, ...); each
+bucket keeps, per arm, an exponentially weighted mean of the reward
 
     reward = tokens the step emitted / the step's wall time          (tokens per second)
 
@@ -25,8 +26,65 @@ import random
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from .engine import Arm, SpeculationPolicy
+
+class Arm(NamedTuple):
+    """What a decode step drafts: `drafter` drafts a chain of `k` tokens, or, with `topk` and `verify`, a tree `k`
+    deep whose expanded nodes have `topk` children and of which the policy verifies the `verify` best nodes (build
+    trees with `tree_arm`, which checks them). k = 0: no speculation."""
+
+    drafter: str | None
+    k: int
+    topk: int | None = None
+    verify: int | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.topk is not None
+
+
+NO_SPECULATION = Arm(None, 0)
+
+
+def tree_arm(drafter: str | None, depth: int, topk: int, verify: int) -> Arm:
+    """A tree arm, checked: `verify` nodes of a tree `depth` deep whose expanded nodes have `topk` children."""
+    if depth < 1 or topk < 1 or verify < 1:
+        raise ValueError(f"A tree needs depth, topk and verify >= 1, got ({depth}, {topk}, {verify}).")
+    most = topk + (depth - 1) * topk * topk
+    if verify > most:
+        raise ValueError(f"A tree {depth} deep with topk={topk} drafts {most} nodes at most; got verify={verify}.")
+    return Arm(drafter, depth, topk, verify)
+
+
+class SpeculationPolicy:
+    """Decides, before each decode step, which drafter drafts how many tokens for the active batch size."""
+
+    def choose(self, batch_size: int) -> Arm:
+        raise NotImplementedError
+
+    def update(self, batch_size: int, arm: Arm, num_emitted_tokens: int, seconds: float) -> None:
+        """Feedback after the step (for adaptive policies)."""
+
+
+class FixedSpeculation(SpeculationPolicy):
+    """The same drafter and k at every batch size (k = 0: no speculation).
+
+    With `topk` and `verify` the drafter drafts a tree of depth k instead of a chain (`trl_tlt.tree`): it expands
+    the `topk` best children of its `topk` best nodes at every depth and the policy verifies the `verify` best nodes.
+    """
+
+    def __init__(self, k: int, drafter: str | None = None, topk: int | None = None, verify: int | None = None):
+        if k < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}.")
+        if (topk is None) != (verify is None):
+            raise ValueError("A tree needs both `topk` and `verify` (or neither, for a chain).")
+        self.arm = (
+            NO_SPECULATION if k == 0 else Arm(drafter, k) if topk is None else tree_arm(drafter, k, topk, verify)
+        )
+
+    def choose(self, batch_size: int) -> Arm:
+        return self.arm
 
 
 # Draft lengths the trainer's bandit plays (up to `num_speculative_tokens`, which is always played): short ones pay at
@@ -41,17 +99,17 @@ def batch_size_bucket(batch_size: int) -> int:
 
 def ladder_neighbours(arms: list[Arm]) -> dict[Arm, list[Arm]]:
     """Each arm's neighbours: the rungs next to it on its drafter's ladder (chains by k, then trees by depth, top-k
-    and verified nodes); the first rung of every ladder and "no speculation" (None, 0) neighbour each other."""
+    and verified nodes); the first rung of every ladder and `NO_SPECULATION` neighbour each other."""
     ladders: dict[str | None, list[Arm]] = defaultdict(list)
     for arm in arms:
-        if arm[1] > 0:
-            ladders[arm[0]].append(arm)
-    neighbours: dict[Arm, list[Arm]] = {(None, 0): []}
+        if arm.k > 0:
+            ladders[arm.drafter].append(arm)
+    neighbours: dict[Arm, list[Arm]] = {NO_SPECULATION: []}
     for ladder in ladders.values():
-        ladder.sort(key=lambda a: (len(a), *a[1:]))
-        neighbours[(None, 0)].append(ladder[0])
+        ladder.sort(key=lambda a: (a.is_tree, a.k, a.topk or 0, a.verify or 0))
+        neighbours[NO_SPECULATION].append(ladder[0])
         for i, arm in enumerate(ladder):
-            below = ladder[i - 1] if i else (None, 0)
+            below = ladder[i - 1] if i else NO_SPECULATION
             neighbours[arm] = [below, *ladder[i + 1 : i + 2]]
     return neighbours
 
@@ -72,7 +130,7 @@ class BanditSpeculation(SpeculationPolicy):
     """Bucketed epsilon-greedy bandit over speculation arms.
 
     Args:
-        arms: Candidate (drafter name, k) pairs; (None, 0) = no speculation is always added.
+        arms: Candidate arms (`Arm`s, or tuples as `Arm` takes them); `NO_SPECULATION` is always added.
         epsilon: Exploration probability once every arm of a bucket was tried.
         decay: Discount applied to an arm's past tokens and seconds at each of its updates (forgetting).
         seed: Seed of the exploration draws.
@@ -95,7 +153,7 @@ class BanditSpeculation(SpeculationPolicy):
             raise ValueError(f"`epsilon` must be in [0, 1], got {self.epsilon}.")
         if not 0 < self.decay <= 1:
             raise ValueError(f"`decay` must be in (0, 1], got {self.decay}.")
-        arms = [(None, 0)] + [tuple(a) for a in self.arms if a[1] > 0]
+        arms = [NO_SPECULATION] + [arm for arm in (Arm(*a) for a in self.arms) if arm.k > 0]
         self.arms = list(dict.fromkeys(arms))
         self._rng = random.Random(self.seed)
         self._stats: dict[int, dict[Arm, _ArmStats]] = defaultdict(lambda: {a: _ArmStats() for a in self.arms})
@@ -114,10 +172,11 @@ class BanditSpeculation(SpeculationPolicy):
         return best
 
     def update(self, batch_size: int, arm: Arm, num_emitted_tokens: int, seconds: float) -> None:
-        s = self._stats[batch_size_bucket(batch_size)][tuple(arm)]
+        arm = Arm(*arm)
+        s = self._stats[batch_size_bucket(batch_size)][arm]
         s.count += 1
         if self.cost_model is not None:
-            seconds = self.cost_model(tuple(arm))
+            seconds = self.cost_model(arm)
         keep = 1.0 - self.decay
         s.tokens = keep * s.tokens + num_emitted_tokens
         s.seconds = keep * s.seconds + seconds

@@ -1,4 +1,4 @@
-"""Speculative verification: accept a prefix of each row's draft and emit one corrected or bonus token.
+"""Rejection sampling (speculative verification): accept a prefix of each row's draft, emit one corrected or bonus token.
 
 Leviathan et al. 2023, Chen et al. 2023. For row b with draft tokens d_1..d_L (L = num_draft_tokens[b] <= k),
 draft distributions q_j and target (processed) distributions p_j, j = 1..L+1:
@@ -23,6 +23,8 @@ import importlib.util
 import os
 
 import torch
+
+from .sampling import sample_inverse_cdf
 
 
 def verify_drafts(
@@ -86,8 +88,7 @@ def verify_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch implementation of `verify_drafts` given its uniforms (None: greedy verification).
 
-    The next token is sampled by inverse CDF: the first token whose cumulative (unnormalised) probability exceeds
-    u x total; were rounding to leave none, the last token with positive probability.
+    The next token is sampled by inverse CDF (`sample_inverse_cdf`, with `uniform_sample`).
     """
     do_sample = uniform_accept is not None
     batch, k_plus_1, vocab = target_logprobs.shape
@@ -134,14 +135,3 @@ def verify_reference(
     emitted = emitted.scatter(1, num_accepted[:, None], next_tokens[:, None])
     emitted_logprobs = target_logprobs.gather(-1, emitted[..., None]).squeeze(-1)
     return num_accepted, next_tokens, emitted_logprobs
-
-
-def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Row-wise sample from unnormalised `probs` (B, V) with uniforms (B,) in [0, 1)."""
-    cumulative = probs.cumsum(-1)
-    target = uniform * cumulative[:, -1]
-    hit = (cumulative > target[:, None]) & (probs > 0)
-    vocab = torch.arange(probs.size(-1), device=probs.device)
-    first = torch.where(hit, vocab, probs.size(-1)).amin(-1)
-    last_positive = torch.where(probs > 0, vocab, -1).amax(-1)
-    return torch.where(first < probs.size(-1), first, last_positive)
