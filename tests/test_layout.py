@@ -127,3 +127,31 @@ def test_the_layer_check_fails_on_a_broken_tree(broken, monkeypatch, tmp_path):
     monkeypatch.setattr(__import__(__name__), "sources", lambda: modules)
     with pytest.raises(AssertionError):
         test_every_module_is_in_the_layer_map_and_imports_only_downward()
+
+
+KINDS = ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security")
+
+
+def changelog_problems(text: str) -> list[str]:
+    """Keep a Changelog, kept short: under each release one heading per kind, one line per change."""
+    problems = []
+    for release in re.split(r"^## ", text, flags=re.M)[1:]:
+        name = release.splitlines()[0]
+        kinds = re.findall(r"^### (.+)$", release, flags=re.M)
+        problems += [f"{name}: unknown heading {k!r}" for k in kinds if k not in KINDS]
+        problems += [f"{name}: heading {k!r} twice" for k in set(kinds) if kinds.count(k) > 1]
+        problems += [
+            f"{name}: a change runs on: {line[:60]!r}" for line in release.splitlines() if line.startswith("  ")
+        ]
+    return problems
+
+
+def test_changelog_has_one_heading_per_kind_and_one_line_per_change():
+    assert not changelog_problems((ROOT / "CHANGELOG.md").read_text())
+
+
+@pytest.mark.parametrize(
+    "broken", ["## [1.0]\n### Added\n- a\n### Added\n- b\n", "## [1.0]\n### Added\n- a change that\n  runs on\n"]
+)
+def test_the_changelog_check_fails_on_a_heading_twice_or_a_change_that_runs_on(broken):
+    assert changelog_problems(broken)
