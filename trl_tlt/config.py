@@ -72,8 +72,7 @@ class TLTConfig(GRPOConfig):
             two tree arms of depth `num_speculative_tokens` (top-k 2 and 4, verifying 2x and 4x as many nodes: a
             sampled chain plus side branches, one policy forward; see docs/engine.md), and keeps them in the batch
             sizes where they emit more tokens per second than chains. Off by default: on 2 CPU cores trees never beat
-            chains and exploring them cost 5% (batch 8) and 10% (batch 64) of rollout throughput
-            (`scripts/bench_tree_arms.py`); where verification is memory-bound (GPUs) they may pay
+            chains and exploring them costs rollout throughput (docs/benchmarks/tree_arms_cpu.json); where verification is memory-bound (GPUs) they may pay
             (`scripts/gpu_check_tree.py` measures it). trl-tlt's engine only (vLLM drafts chains).
         selector_deterministic (`bool`, *optional*, defaults to `False`):
             Reward the bandit with a modelled step cost (one policy forward plus k drafter forwards, weighted by

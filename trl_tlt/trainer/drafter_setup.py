@@ -42,7 +42,7 @@ class DrafterSetup:
 
     def _refuse_spot_training_without_engine(self) -> None:
         """The engine cannot run this policy: spot training asked for by name is an error; chosen by default, off."""
-        if not getattr(self, "_tlt_spot_requested", self.args.spot_training is True):
+        if not self._tlt_spot_requested:
             self.tlt_spot, self.args.spot_training = None, False
             return
         if self.args.spot_training:

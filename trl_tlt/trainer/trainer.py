@@ -65,6 +65,7 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
         if isinstance(self.train_dataset, Sized) and len(self.train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: pass a dataset with at least one prompt to train on.")
         self._check_prompt_lengths()
+        self._tlt_spot_requested = self.args.spot_training is True  # asked for by name, not chosen by default
         # Why rollouts go through GRPOTrainer's own generation instead of the engine (None: they do not).
         self.tlt_fallback_reason: str | None = None
         self._tlt_engine_checked = self.use_vllm  # the engine's cache is checked on the policy at the first rollout
@@ -83,7 +84,6 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
         self.tlt_vllm_spec_faults = 0  # rollouts regenerated without speculation (vLLM's samples failed the check)
         self.tlt_drafter_repushes = 0  # drafter pushes into vLLM the watchdog made
         self._tlt_watchdog = DrafterWatchdog()
-        self._tlt_spot_requested = self.args.spot_training is True  # asked for by name, not chosen by default
         self.args.spot_training = self._resolve_spot_training()
         self.tlt_spot = self._build_spot_trainer() if self.args.spot_training else None
         if self.use_vllm and self.tlt_spot is not None:
