@@ -66,3 +66,26 @@ def test_a_drifted_copy_is_caught(edit):
     else:
         trainer_md = trainer_md.replace("`micro_batching`", "micro-batching")
     assert disagreements(doc, fields, trainer_md)
+
+
+def logged_metrics(source_root: Path) -> set[str]:
+    """Every `tlt/` metric key the library logs (an f-string's field as `{B}`)."""
+    keys = set()
+    for path in source_root.rglob("*.py"):
+        for key in re.findall(r"f?\"(tlt/[a-z0-9_{}]+)\"", path.read_text()):
+            keys.add(re.sub(r"\{\w+\}", "{B}", key))
+    return keys
+
+
+def undefined_metrics(keys: set[str], docs: str) -> set[str]:
+    """Keys without a row `| `key` | definition |` in a docs table."""
+    return {key for key in keys if f"| `{key}` |" not in docs}
+
+
+def test_every_logged_metric_is_defined_in_the_docs():
+    root = Path(__file__).parent.parent
+    keys = logged_metrics(root / "trl_tlt")
+    assert "tlt/mean_acceptance_length" in keys and "tlt/k_bucket_{B}" in keys
+    docs = "".join(path.read_text() for path in (root / "docs").glob("*.md"))
+    assert not undefined_metrics(keys, docs)
+    assert undefined_metrics(keys | {"tlt/never_documented"}, docs) == {"tlt/never_documented"}  # negative control
