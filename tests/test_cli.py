@@ -1,6 +1,7 @@
 """`trl-tlt grpo`: TRL-style CLI (YAML config, TrlParser) around TLTGRPOTrainer."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -69,6 +70,22 @@ def test_accelerate_configs_ship_with_the_package(capsys):
         cli.main(["accelerate-config", "zero9"])
 
 
+def run_train_drafter(policy: str, tmp_path, capsys, learning_rate: str = "2e-3") -> tuple[dict, str, Path]:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(12) for b in range(3)))
+    out = tmp_path / "drafter"
+    cli.main(
+        ["train-drafter", "--policy", policy, "--output", str(out), "--dataset", str(data), "--num-prompts", "32",
+         "--eval-prompts", "4", "--epochs", "3", "--max-new-tokens", "8", "--learning-rate", learning_rate]
+    )  # fmt: skip
+    return json.loads((out / "train_report.json").read_text()), capsys.readouterr().out, out
+
+
+def trained(report: dict) -> bool:
+    """The head learned: its distillation loss fell by a fifth from the first drafter step to the last ones."""
+    return report["final"]["loss"] < 0.8 * report["first"]["loss"]
+
+
 def test_train_drafter_subcommand_warm_starts_a_head_the_trainer_loads(tiny_model_dirs, tmp_path, capsys):
     """`trl-tlt train-drafter`: the policy completes a dataset's prompts, the head trains, the acceptance before and
     after is reported, and the output loads as `TLTConfig(drafter_model_name_or_path=...)`."""
@@ -79,17 +96,10 @@ def test_train_drafter_subcommand_warm_starts_a_head_the_trainer_loads(tiny_mode
     from trl_tlt import TLTConfig, TLTGRPOTrainer
     from trl_tlt.drafters.eagle3 import Eagle3Model
 
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(12) for b in range(3)))
-    out = tmp_path / "drafter"
-    cli.main(
-        ["train-drafter", "--policy", tiny_model_dirs["qwen2"], "--output", str(out), "--dataset", str(data),
-         "--num-prompts", "32", "--eval-prompts", "4", "--epochs", "1", "--max-new-tokens", "8"]
-    )  # fmt: skip
-    printed = capsys.readouterr().out
-    report = json.loads((out / "train_report.json").read_text())
+    report, printed, out = run_train_drafter(tiny_model_dirs["qwen2"], tmp_path, capsys)
     assert report["num_samples"] == 32 and "acceptance length at k=4" in printed
-    assert report["after"]["mean_acceptance_length"] >= 1.0 and (out / "model.safetensors").is_file()
+    assert {"before", "after"} <= set(report) and (out / "model.safetensors").is_file()
+    assert trained(report), (report["first"], report["final"])
     args = TLTConfig(
         output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, report_to="none", num_generations=4,
         per_device_train_batch_size=8, max_completion_length=8, drafter_model_name_or_path=str(out),
@@ -107,3 +117,9 @@ def test_train_drafter_subcommand_warm_starts_a_head_the_trainer_loads(tiny_mode
         cli.main(
             ["train-drafter", "--policy", tiny_model_dirs["qwen2"], "--output", str(out), "--drafter-type", "model"]
         )
+
+
+def test_the_train_drafter_check_fails_when_the_head_does_not_learn(tiny_model_dirs, tmp_path, capsys):
+    """Negative control of `trained`: at learning rate 0 the loss does not fall."""
+    report, _, _ = run_train_drafter(tiny_model_dirs["qwen2"], tmp_path, capsys, learning_rate="0")
+    assert not trained(report)

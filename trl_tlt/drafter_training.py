@@ -407,6 +407,7 @@ def warm_start_drafter(
     history = train_drafter(policy, model, samples, epochs, learning_rate, config, seed, progress)
     report["train_seconds"] = time.perf_counter() - train_start
     report["generate_seconds"] = generate_s
+    report["first"] = history[0]  # the first drafter step's loss and accuracies
     report["final"] = {key: sum(h.get(key, 0.0) for h in history[-10:]) / min(len(history), 10) for key in history[-1]}
     if eval_prompts:
         report["after"] = evaluate_acceptance(policy, make(model), eval_prompts, params, k=k, seed=seed)
