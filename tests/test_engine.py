@@ -7,6 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
 from trl_tlt.drafters import Draft, ModelDrafter, NgramDrafter
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
 from trl_tlt.engine import SpeculativeEngine
@@ -196,12 +197,17 @@ NUM_SAMPLES = 8000
 
 def sampling_case(tokenizer, params, drafter_name, length):
     """The chi-square set-up: a peaked policy, the exact distribution of its first `length` tokens after
-    SAMPLED_PROMPT, and a drafter: a perturbed twin ("model"), a random EAGLE-3 head ("eagle3") or the twin drafting
-    its argmax ("deterministic")."""
+    SAMPLED_PROMPT, and a drafter: a perturbed twin ("model"), an EAGLE-3 head distilled for a few steps on the
+    policy's samples ("eagle3": it drafts close to the policy, so drafts are accepted at every depth and a fault on
+    the drafter's side shows) or the twin drafting its argmax ("deterministic")."""
     model = peaked_model(tokenizer)
     expected = exact_sequence_distribution(model, SAMPLED_PROMPT, params, length=length)
     if drafter_name == "eagle3":
-        return model, expected, make_drafter("eagle3", model, tokenizer)
+        drafter = make_drafter("eagle3", model, tokenizer)
+        samples = generate_samples(model, [SAMPLED_PROMPT] * 64, dataclasses.replace(params, max_new_tokens=6))
+        config = DistillConfig(ttt_length=3, max_tokens_per_batch=256)
+        train_drafter(model, drafter.model, samples, epochs=8, learning_rate=3e-3, config=config, progress=False)
+        return model, expected, drafter
     cls = ModelDrafter if drafter_name == "model" else ArgmaxDrafter
     return model, expected, cls(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
 
