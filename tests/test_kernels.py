@@ -115,12 +115,26 @@ def test_engine_with_the_kernel_matches_generate_greedy(monkeypatch, tiny_model_
     assert out.completion_ids == hf_greedy(model, prompts, 12)
 
 
-def test_engine_with_the_kernel_samples_the_policy_distribution(monkeypatch, tokenizer):
+def skewed_sampler(verify_triton):
+    """Negative control: the kernel's inverse-CDF sample reads u^2 instead of u (a broken sampler)."""
+
+    def skewed(logp, drafts, num, q, uniform_accept, uniform_sample):
+        return verify_triton(logp, drafts, num, q, uniform_accept, uniform_sample**2)
+
+    return skewed
+
+
+@pytest.mark.parametrize("fault", [None, "skewed_sampler"])
+def test_engine_with_the_kernel_samples_the_policy_distribution(monkeypatch, tokenizer, fault):
     """Chi-square of sampled completions against the exact distribution, as tests/test_engine.py does for the torch
-    path (fewer samples: the interpreter runs one program per row)."""
+    path (fewer samples: the interpreter runs one program per row); at that sample size a skewed sampler fails it."""
     from test_engine import ModelDrafter, chi_square_pvalue, exact_sequence_distribution, peaked_model
 
+    import trl_tlt.kernels
+
     monkeypatch.setenv("TRL_TLT_KERNELS", "triton")
+    if fault:
+        monkeypatch.setattr(trl_tlt.kernels, "verify_triton", skewed_sampler(trl_tlt.kernels.verify_triton))
     policy = peaked_model(tokenizer)
     params = SamplingParams(temperature=0.7, top_k=5, max_new_tokens=3)
     prompt = [11, 12, 13, 11, 12]
@@ -129,7 +143,8 @@ def test_engine_with_the_kernel_samples_the_policy_distribution(monkeypatch, tok
     out = engine.generate([prompt] * 1500, params, generator=torch.Generator().manual_seed(99))
     assert 0 < out.stats.num_accepted_tokens < out.stats.num_draft_tokens
     expected = exact_sequence_distribution(policy, prompt, params, length=3)
-    assert chi_square_pvalue([tuple(c) for c in out.completion_ids], expected) > 1e-3
+    p_value = chi_square_pvalue([tuple(c) for c in out.completion_ids], expected)
+    assert p_value < 1e-6 if fault else p_value > 1e-3
 
 
 def test_kernels_ship_inside_the_package(tmp_path):
