@@ -3,6 +3,7 @@
 python tests/_spot_run.py MODEL_DIR OUTPUT_DIR MAX_STEPS [SAVE_STEPS]    (also under torchrun)
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -23,6 +24,14 @@ PROMPTS = ["12+34=", "The quick", "1 2 3", "hello world"]
 
 def reward_len(completions, **kwargs):
     return [float(len(c)) for c in completions]
+
+
+def digest(tensors) -> str:
+    """sha256 of the tensors' bytes, in order: equal digests, bit-identical weights."""
+    h = hashlib.sha256()
+    for tensor in tensors:
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def make_trainer(model_dir, output_dir, max_steps, save_steps=0):
@@ -82,8 +91,14 @@ def drop_in(model_dir, output_dir, max_steps, trainer_name):
         "completions": seen,
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": trainer.accelerator.distributed_type.value,
-        "weights_sum": float(sum(t.double().abs().sum() for t in state.values())) if state else None,
+        "weights_sha256": digest(state.values()),
     }
+    from safetensors.torch import save_file
+
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in state.items()},
+        os.path.join(output_dir, f"{trainer_name}-{rank}.safetensors"),
+    )
     with open(os.path.join(output_dir, f"{trainer_name}-{rank}.json"), "w") as f:
         json.dump(report, f)
 
@@ -101,12 +116,10 @@ def run_spot(model_dir, output_dir, max_steps, save_steps):
         trainer.add_callback(StepFile())
     trainer.train()
     rank = trainer.accelerator.process_index
-    flat = torch.cat([p.detach().reshape(-1) for p in trainer.tlt_spot.params])
     report = {
         "rank": rank,
         "world_size": trainer.accelerator.num_processes,
-        "drafter_sum": float(flat.double().sum()),
-        "drafter_abs_sum": float(flat.double().abs().sum()),
+        "drafter_sha256": digest(trainer.tlt_spot.params),
         "total_steps": trainer.tlt_spot.total_steps,
         "global_step": trainer.state.global_step,
         "logs": [{k: v for k, v in h.items() if k.startswith("tlt/")} for h in trainer.state.log_history],
