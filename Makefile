@@ -33,8 +33,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# Fails when vLLM does not import, and when no vLLM test ran or one was skipped (the tests skip without vLLM).
 test-vllm: $(VENV_VLLM)/.installed
-	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind $(PY_VLLM) -m pytest -q -m vllm
+	$(PY_VLLM) -c "import vllm; print('vllm', vllm.__version__, 'imports')"
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind $(PY_VLLM) -m pytest -q -m vllm --junitxml=$(VENV_VLLM)/tests.xml
+	$(PY_VLLM) tests/_count_passed.py $(VENV_VLLM)/tests.xml
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

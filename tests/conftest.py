@@ -13,12 +13,24 @@ for _var, _value in {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }.items():
     os.environ.setdefault(_var, _value)
-# Without a GPU, the Triton kernels (trl_tlt.kernels) run in Triton's interpreter; read when a kernel is decorated.
-if not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+# Without a GPU torch can use, the Triton kernels (trl_tlt.kernels) run in Triton's interpreter (read when a kernel is
+# decorated, so before trl_tlt.kernels is imported), and tests marked `gpu` are skipped.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device torch can use (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 
 from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 
