@@ -1,40 +1,20 @@
-"""Shared by the benchmark scripts: the machine's description and writing a run's result JSON."""
+"""Shared by the benchmark scripts: writing a run's result JSON with its provenance, and bootstrap intervals."""
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import random
-import subprocess
 from collections.abc import Callable
 
-import torch
-
-
-def machine() -> str:
-    """The machine a benchmark ran on, for its JSON: architecture, cores, torch version, torch threads."""
-    return (
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
-    )
-
-
-def commit() -> str:
-    """The repository's commit (short), with "+dirty" when tracked files differ from it."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=here).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
+from trl_tlt.tooling.provenance import commit, machine, stamp  # noqa: F401  (commit, machine: for the scripts)
 
 
 def write_json(result: dict, path: str | None) -> None:
-    """Write `result` to `path` (indented JSON) and say so; nothing when `path` is None."""
+    """Write `result`, stamped with its command, commit, machine and seconds (`provenance.stamp`), to `path`
+    (indented JSON) and say so; nothing when `path` is None."""
     if path:
         with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(stamp(result), f, indent=2)
         print(f"wrote {path}")
 
 

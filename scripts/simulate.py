@@ -33,6 +33,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import numpy as np  # noqa: E402
 
+from trl_tlt.tooling.provenance import stamp  # noqa: E402
 from trl_tlt.tooling.simulator import (  # noqa: E402
     Backend,
     Cluster,
@@ -482,7 +483,7 @@ def main(argv=None) -> None:
     output = args.output or (
         args.calibration if args.mode == "measure" else str(ROOT / "docs/benchmarks/simulator.json")
     )
-    Path(output).write_text(json.dumps(result, indent=1) + "\n")
+    Path(output).write_text(json.dumps(stamp(result), indent=1) + "\n")
     print(f"wrote {output}", file=sys.stderr)
 
 

@@ -31,6 +31,8 @@ import tempfile
 import time
 
 
+PROMPT_SEED = 2024  # the training prompts (make_dataset)
+EVAL_SEED = 999  # the held-out prompts of the drafter evaluations, never trained on
 COLUMNS = ("step", "reward", "steps style", "rollout s", "step s", "accept len", "spec frac", "drafter loss")
 
 
@@ -44,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="drift: the drift scenario's policy and style_reward; embedded: the embedded policy, accuracy reward.",
     )
     parser.add_argument("--learning-rate", type=float, default=3e-5)
+    parser.add_argument("--seed", type=int, default=0, help="Both trainers' seed.")
     parser.add_argument(
         "--spot-learning-rate",
         type=float,
@@ -78,6 +81,7 @@ def main(argv=None) -> dict:
         os.environ.setdefault(var, "1")
     from transformers import AutoTokenizer
 
+    from trl_tlt.tooling.provenance import stamp
     from trl_tlt.tooling.workload import build_drift_policy, build_eagle3_drafter, build_policy, make_dataset
 
     if args.policy:
@@ -92,7 +96,7 @@ def main(argv=None) -> dict:
     tensorboard = importlib.util.find_spec("tensorboard") is not None
     common, reward_funcs = grpo_settings(args, tensorboard)
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
-    data = (reward_funcs, tokenizer, make_dataset(8 * args.steps, seed=2024))
+    data = (reward_funcs, tokenizer, make_dataset(8 * args.steps, seed=PROMPT_SEED))
     history = {"tlt": [], "grpo": [], "acceptance": [], "tail": None}
 
     print(f"== TLTGRPOTrainer: {args.steps} steps, EAGLE-3 drafter trained between rollouts ==", flush=True)
@@ -103,7 +107,8 @@ def main(argv=None) -> dict:
 
     os.makedirs(plots_dir, exist_ok=True)
     with open(os.path.join(plots_dir, "demo.json"), "w") as f:
-        json.dump(history, f, indent=1)
+        seeds = {"trainer": args.seed, "prompts": PROMPT_SEED, "eval_prompts": EVAL_SEED}
+        json.dump(stamp({**history, "seeds": seeds}), f, indent=1)
     written = write_plots(history, plots_dir)
     summarize(history)
     print(f"demo finished: run in {output_dir}; plots: {', '.join(written) or 'none (matplotlib not installed)'}")
@@ -136,7 +141,7 @@ def grpo_settings(args, tensorboard: bool) -> tuple[dict, object]:
         learning_rate=args.learning_rate,
         logging_steps=1,
         save_strategy="no",
-        seed=0,
+        seed=args.seed,
     )
     if args.scenario != "drift":
         return common, accuracy_reward
@@ -170,7 +175,7 @@ def run_tlt(args, policy_path, drafter_path, output_dir, common, data, history) 
     from trl_tlt.tooling.workload import make_dataset, prompt_token_ids
 
     reward_funcs, tokenizer, train_set = data
-    eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=999)["prompt"])
+    eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=EVAL_SEED)["prompt"])
     eval_params = SamplingParams(
         temperature=1.0, max_new_tokens=args.max_completion_length, eos_token_ids=(tokenizer.eos_token_id,)
     )

@@ -1,0 +1,53 @@
+"""Where a recorded figure came from: the command line, the commit, the machine and the seconds the run took, stamped
+into every benchmark JSON (scripts/) and the demo's (docs/demo/demo.json)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+import torch
+
+
+_STARTED = time.perf_counter()  # the process's start, near enough: the scripts import this first thing
+
+
+def machine() -> str:
+    """The machine a run was on: architecture, cores, torch version and threads, and the GPU if torch has one."""
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    cores = os.cpu_count()
+    return f"{platform.machine()}, {cores} cores, torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}"
+
+
+def commit() -> str:
+    """The repository's commit (short), with "+dirty" when tracked files differ from it; "unknown" outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=here).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def command() -> str:
+    """This process's command line as typed (`python -m ...` kept), the interpreter written `python`."""
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    argv[0] = "python"
+    return shlex.join(argv)
+
+
+def stamp(result: dict) -> dict:
+    """`result` with `command`, `commit`, `machine` and `seconds` (since the process started) added; values the run
+    set itself are kept."""
+    provenance = {
+        "command": command(),
+        "commit": commit(),
+        "machine": machine(),
+        "seconds": round(time.perf_counter() - _STARTED, 1),
+    }
+    return {**provenance, **result}
