@@ -2,8 +2,10 @@
 four plots are written."""
 
 import json
+from pathlib import Path
 
 from trl_tlt.tooling import demo
+from trl_tlt.tooling.workload.builds import build_checksum
 
 
 def test_demo_runs_and_writes_the_plots(tiny_model_dirs, tmp_path, capsys):
@@ -20,5 +22,9 @@ def test_demo_runs_and_writes_the_plots(tiny_model_dirs, tmp_path, capsys):
     assert history["tail"]["active"][0] == 64  # 8 prompts x 8 samples at the first decode step
     for name in ("acceptance.png", "tail.png", "rollout_time.png", "reward.png"):
         assert (plots / name).stat().st_size > 0
-    assert json.loads((plots / "demo.json").read_text())["tlt"]
+    record = json.loads((plots / "demo.json").read_text())
+    assert record["tlt"] and record["seeds"] == {"trainer": 0, "prompts": 2024, "eval_prompts": 999}
+    assert record["command"] and record["commit"] and record["machine"] and record["seconds"] > 0
+    policy = Path(tiny_model_dirs["qwen2"])
+    assert record["builds"] == {policy.name: build_checksum(policy)} and record["builds"][policy.name] in out
     assert (tmp_path / "run" / "drafter" / "config.json").exists()  # the exported EAGLE-3 drafter

@@ -63,7 +63,9 @@ def test_the_figure_check_fails_on_an_edited_copy(edit):
     text = (ROOT / "README.md").read_text()
     number, unit, path, key = FIGURE.findall(text)[0]
     original = f"[{number}{unit}]({path}#{key})"
-    changed = f"[{float(number) + 0.5:g}{unit}]({path}#{key})" if edit == "figure" else f"[{number}{unit}]({path}#nokey)"
+    changed = (
+        f"[{float(number) + 0.5:g}{unit}]({path}#{key})" if edit == "figure" else f"[{number}{unit}]({path}#nokey)"
+    )
     assert not figure_problems(original, ROOT)
     assert figure_problems(text.replace(original, changed, 1), ROOT)
 

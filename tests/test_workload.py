@@ -1,8 +1,14 @@
 """The embedded workload: deterministic data, a correct verifier, long-tailed solution lengths, cache keys."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from trl_tlt.tooling.workload import (
     DrafterRecipe,
@@ -135,6 +141,29 @@ def test_build_policy_is_deterministic_for_a_seed(tmp_path):
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned-negative-control"])
+def test_two_fresh_processes_build_bit_identical_policies_and_heads(tmp_path, pinned):
+    """Two processes as two fresh clones would run them, with other thread counts and hash seeds in their
+    environments: the same policy and head, tensor for tensor (`BUILD_THREADS`). Negative control: with the build's
+    threads left to the environment, the 1- and 3-thread heads differ."""
+    helper = str(Path(__file__).with_name("_build_run.py"))
+    runs = [
+        subprocess.Popen(
+            [sys.executable, helper, str(tmp_path / f"threads{threads}"), *([] if pinned else ["--unpinned"])],
+            env={**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONHASHSEED": str(threads)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for threads in (1, 3)
+    ]
+    one, three = (json.loads(run.communicate(timeout=600)[0].splitlines()[-1]) for run in runs)
+    assert all(run.returncode == 0 for run in runs)
+    if pinned:
+        assert one == three
+    else:
+        assert one["drafter"] != three["drafter"]
 
 
 def test_build_drift_policy_caches_the_start_policy_and_its_drafter(tmp_path):

@@ -29,6 +29,7 @@ import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 
 PROMPT_SEED = 2024  # the training prompts (make_dataset)
@@ -83,6 +84,7 @@ def main(argv=None) -> dict:
 
     from trl_tlt.tooling.provenance import stamp
     from trl_tlt.tooling.workload import build_drift_policy, build_eagle3_drafter, build_policy, make_dataset
+    from trl_tlt.tooling.workload.builds import build_checksum
 
     if args.policy:
         policy_path, drafter_path = args.policy, args.drafter
@@ -91,6 +93,10 @@ def main(argv=None) -> dict:
     else:
         policy_path = str(build_policy(cache_dir=args.cache_dir))
         drafter_path = str(build_eagle3_drafter(cache_dir=args.cache_dir))
+    builds = {Path(path).name: build_checksum(path) for path in (policy_path, drafter_path) if path}
+    print("builds (tensor checksums; the same on every machine of one kind, torch version and recipe):", flush=True)
+    for name, checksum in builds.items():
+        print(f"  {name}  {checksum}", flush=True)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="trl-tlt-demo-")
     plots_dir = args.plots_dir or os.path.join(output_dir, "plots")
     tensorboard = importlib.util.find_spec("tensorboard") is not None
@@ -108,7 +114,7 @@ def main(argv=None) -> dict:
     os.makedirs(plots_dir, exist_ok=True)
     with open(os.path.join(plots_dir, "demo.json"), "w") as f:
         seeds = {"trainer": args.seed, "prompts": PROMPT_SEED, "eval_prompts": EVAL_SEED}
-        json.dump(stamp({**history, "seeds": seeds}), f, indent=1)
+        json.dump(stamp({**history, "seeds": seeds, "builds": builds}), f, indent=1)
     written = write_plots(history, plots_dir)
     summarize(history)
     print(f"demo finished: run in {output_dir}; plots: {', '.join(written) or 'none (matplotlib not installed)'}")

@@ -8,6 +8,8 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,42 @@ class PolicyRecipe:
 
     def key(self) -> str:
         return recipe_key(self)
+
+
+# Every build trains with this many threads, whatever the machine's cores: float reductions, and so the weights, depend
+# on how the work is split. With it, two builds on one machine and torch version are bit-identical (tests/test_workload.py).
+BUILD_THREADS = 2
+
+
+@contextmanager
+def deterministic_build(seed: int) -> Iterator[None]:
+    """Seeded, deterministic algorithms, `BUILD_THREADS` threads; the caller's settings are restored after."""
+    import torch
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(BUILD_THREADS)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def build_checksum(path: str | Path) -> str:
+    """What a build made, in 16 hex digits: sha256 of its tensors (by name, with dtype and shape) and its tokenizer.
+    Not of the files' bytes: safetensors writes its header's metadata in a different order from run to run."""
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(str(Path(path) / "model.safetensors")).items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    tokenizer = Path(path) / "tokenizer.json"
+    if tokenizer.exists():
+        digest.update(tokenizer.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def default_cache_dir() -> Path:
@@ -146,30 +184,31 @@ def train_sft(
 
 def _build_sft_model(path: Path, tokenizer, num_hidden_layers: int, recipe: PolicyRecipe, verbose: bool) -> Path:
     """Train a Qwen2 model of the recipe's width with `num_hidden_layers` by SFT and save it atomically at `path`."""
-    import torch
-
     from ..tiny import build_tiny_model
 
     start = time.perf_counter()
-    torch.manual_seed(recipe.seed)
-    model = build_tiny_model(
-        tokenizer,
-        arch="qwen2",
-        hidden_size=recipe.hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=recipe.num_attention_heads,
-        intermediate_size=recipe.intermediate_size,
-        max_position_embeddings=1024,
-        seed=recipe.seed,
-    )
-    if verbose:
-        n = sum(p.numel() for p in model.parameters())
-        print(f"training {path.name} ({n / 1e6:.2f}M parameters, {num_hidden_layers} layers) by SFT ...", flush=True)
-    tmp = path.with_name(path.name + ".tmp")
-    model = train_sft(
-        model, tokenizer, sft_dataset(recipe), recipe.sft_batch_size, recipe.sft_learning_rate, recipe.seed, verbose
-    )
+    with deterministic_build(recipe.seed):
+        model = build_tiny_model(
+            tokenizer,
+            arch="qwen2",
+            hidden_size=recipe.hidden_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=recipe.num_attention_heads,
+            intermediate_size=recipe.intermediate_size,
+            max_position_embeddings=1024,
+            seed=recipe.seed,
+        )
+        if verbose:
+            n = sum(p.numel() for p in model.parameters())
+            print(
+                f"training {path.name} ({n / 1e6:.2f}M parameters, {num_hidden_layers} layers) by SFT ...", flush=True
+            )
+        data = sft_dataset(recipe)
+        model = train_sft(
+            model, tokenizer, data, recipe.sft_batch_size, recipe.sft_learning_rate, recipe.seed, verbose
+        )
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
@@ -250,7 +289,6 @@ def _warm_start_eagle3(
     It trains on the policy's own completions of RL-task prompts, or with `sft` on the first
     `drafter_recipe.num_prompts` examples of that recipe's SFT data (the policy's features, fixed responses).
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_tlt.drafter_training import DistillConfig, warm_start_drafter
@@ -265,7 +303,6 @@ def _warm_start_eagle3(
     policy = AutoModelForCausalLM.from_pretrained(policy_path).eval()
     policy.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
-    torch.manual_seed(drafter_recipe.seed)
     r = drafter_recipe
     params = SamplingParams(temperature=1.0, max_new_tokens=512, eos_token_ids=(tokenizer.eos_token_id,))
     tmp = path.with_name(path.name + ".tmp")
@@ -276,20 +313,21 @@ def _warm_start_eagle3(
         prompts = data["prompt"]
         completions = [tokenizer(c[-1]["content"], add_special_tokens=False)["input_ids"] for c in data["completion"]]
         completions = [c + [tokenizer.eos_token_id] for c in completions]
-    report = warm_start_drafter(
-        policy,
-        prompt_token_ids(tokenizer, prompts),
-        tmp,
-        params,
-        completions=completions,
-        eval_prompts=prompt_token_ids(tokenizer, make_dataset(r.num_eval_prompts, seed=r.seed + 3)["prompt"]),
-        epochs=r.epochs,
-        learning_rate=r.learning_rate,
-        config=DistillConfig(ttt_length=r.ttt_length, max_tokens_per_batch=r.max_tokens_per_batch),
-        k=4,
-        seed=r.seed,
-        progress=verbose,
-    )
+    with deterministic_build(r.seed):
+        report = warm_start_drafter(
+            policy,
+            prompt_token_ids(tokenizer, prompts),
+            tmp,
+            params,
+            completions=completions,
+            eval_prompts=prompt_token_ids(tokenizer, make_dataset(r.num_eval_prompts, seed=r.seed + 3)["prompt"]),
+            epochs=r.epochs,
+            learning_rate=r.learning_rate,
+            config=DistillConfig(ttt_length=r.ttt_length, max_tokens_per_batch=r.max_tokens_per_batch),
+            k=4,
+            seed=r.seed,
+            progress=verbose,
+        )
     (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(r), indent=2))
     tmp.rename(path)  # atomic: a half-trained drafter is never picked up
     if verbose:
@@ -347,36 +385,40 @@ def build_drift_policy(
     it): the reward rises as the policy writes its solutions in the "steps" style, and a drafter frozen at the
     start goes stale.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     recipe = recipe or DriftRecipe()
     base = build_policy(recipe.policy, cache_dir, verbose)
     path = base.parent / f"drift-{recipe.key()}"
     if not (path / "config.json").exists():
-        start = time.perf_counter()
-        if verbose:
-            print(f"fine-tuning {path.name} (drift scenario's start policy) ...", flush=True)
-        torch.manual_seed(recipe.seed)
-        model = AutoModelForCausalLM.from_pretrained(base)
-        tokenizer = AutoTokenizer.from_pretrained(base)
-        data = make_dataset(
-            recipe.num_examples,
-            seed=recipe.seed + 11,
-            task=recipe.task,
-            with_solutions=True,
-            steps_style_fraction=recipe.steps_style_fraction,
-            steps_prompt_fraction=recipe.steps_prompt_fraction,
-        )
-        model = train_sft(model, tokenizer, data, recipe.batch_size, recipe.learning_rate, recipe.seed, verbose)
-        tmp = path.with_name(path.name + ".tmp")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "recipe.json").write_text(
-            json.dumps(dataclasses.asdict(dataclasses.replace(recipe, drafter=None)), indent=2)
-        )
-        tmp.rename(path)
-        if verbose:
-            print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
+        with deterministic_build(recipe.seed):
+            _fine_tune_drift(base, path, recipe, verbose)
     name = f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"
     return path, _warm_start_eagle3(path, name, recipe.drafter, verbose, sft=recipe.policy)
+
+
+def _fine_tune_drift(base: Path, path: Path, recipe: DriftRecipe, verbose: bool) -> None:
+    """The drift scenario's start policy: the embedded policy fine-tuned on the mixed-style data, saved atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    if verbose:
+        print(f"fine-tuning {path.name} (drift scenario's start policy) ...", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    data = make_dataset(
+        recipe.num_examples,
+        seed=recipe.seed + 11,
+        task=recipe.task,
+        with_solutions=True,
+        steps_style_fraction=recipe.steps_style_fraction,
+        steps_prompt_fraction=recipe.steps_prompt_fraction,
+    )
+    model = train_sft(model, tokenizer, data, recipe.batch_size, recipe.learning_rate, recipe.seed, verbose)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "recipe.json").write_text(
+        json.dumps(dataclasses.asdict(dataclasses.replace(recipe, drafter=None)), indent=2)
+    )
+    tmp.rename(path)
+    if verbose:
+        print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
