@@ -23,6 +23,7 @@ def test_demo_runs_and_writes_the_plots(tiny_model_dirs, tmp_path, capsys):
     for name in ("acceptance.png", "tail.png", "rollout_time.png", "reward.png"):
         assert (plots / name).stat().st_size > 0
     record = json.loads((plots / "demo.json").read_text())
+    assert record["summary"]["step_ratio"] > 0 and record["summary"]["acceptance_start"] > 0
     assert record["tlt"] and record["seeds"] == {"trainer": 0, "prompts": 2024, "eval_prompts": 999}
     assert record["command"] and record["commit"] and record["machine"] and record["seconds"] > 0
     policy = Path(tiny_model_dirs["qwen2"])

@@ -111,12 +111,12 @@ def main(argv=None) -> dict:
         print(f"== GRPOTrainer (TRL): the same {args.steps} steps, for comparison ==", flush=True)
         history["grpo"] = run_grpo(policy_path, os.path.join(output_dir, "grpo"), common, data)
 
+    summary = summarize(history)
     os.makedirs(plots_dir, exist_ok=True)
     with open(os.path.join(plots_dir, "demo.json"), "w") as f:
         seeds = {"trainer": args.seed, "prompts": PROMPT_SEED, "eval_prompts": EVAL_SEED}
-        json.dump(stamp({**history, "seeds": seeds, "builds": builds}), f, indent=1)
+        json.dump(stamp({"summary": summary, "seeds": seeds, "builds": builds, **history}), f, indent=1)
     written = write_plots(history, plots_dir)
-    summarize(history)
     print(f"demo finished: run in {output_dir}; plots: {', '.join(written) or 'none (matplotlib not installed)'}")
     if tensorboard:
         print(f"TensorBoard: tensorboard --logdir {output_dir}")
@@ -293,26 +293,44 @@ def run_grpo(policy_path, output_dir, common, data) -> list[dict]:
     ]
 
 
-def summarize(history: dict) -> None:
+def summarize(history: dict) -> dict:
+    """The run's headline figures (printed, and recorded in demo.json's `summary`, which README quotes)."""
+    import math
     import statistics
 
     tlt, grpo, acceptance = history["tlt"], history["grpo"], history["acceptance"]
+    summary = {}
     if acceptance:
         first, last = acceptance[0], acceptance[-1]
+        summary |= {
+            "acceptance_start": first["adaptive"],
+            "acceptance_end_adaptive": last["adaptive"],
+            "acceptance_end_frozen": last["frozen"],
+            "acceptance_lowest_adaptive": min(a["adaptive"] for a in acceptance),
+            "adaptive_over_frozen_end": last["adaptive"] / last["frozen"],
+        }
         print(
             f"acceptance length, step {first['step']} -> {last['step']}: adaptive {first['adaptive']:.2f} -> "
             f"{last['adaptive']:.2f}, frozen {first['frozen']:.2f} -> {last['frozen']:.2f} "
             f"(adaptive / frozen {last['adaptive'] / last['frozen']:.2f}x)"
         )
+    if tlt:
+        for key in ("steps_style_fraction", "reward"):
+            if all(math.isfinite(r.get(key, math.nan)) for r in tlt):  # logged in this scenario
+                summary[f"{key}_first5"] = statistics.mean(r[key] for r in tlt[:5])
+                summary[f"{key}_last5"] = statistics.mean(r[key] for r in tlt[-5:])
     if not tlt or not grpo:
-        return
+        return summary
     for key, label in (("rollout_seconds", "rollout"), ("step_seconds", "step")):
         a, b = statistics.median(r[key] for r in grpo), statistics.median(r[key] for r in tlt)
+        summary |= {f"median_{label}_seconds_grpo": a, f"median_{label}_seconds_tlt": b, f"{label}_ratio": a / b}
         print(f"median {label} time: GRPOTrainer {a:.2f} s, TLTGRPOTrainer {b:.2f} s ({a / b:.2f}x)")
+    summary["mean_reward_grpo"] = statistics.mean(r["reward"] for r in grpo)
+    summary["mean_reward_tlt"] = statistics.mean(r["reward"] for r in tlt)
     print(
-        f"mean reward: GRPOTrainer {statistics.mean(r['reward'] for r in grpo):.3f}, "
-        f"TLTGRPOTrainer {statistics.mean(r['reward'] for r in tlt):.3f}"
+        f"mean reward: GRPOTrainer {summary['mean_reward_grpo']:.3f}, TLTGRPOTrainer {summary['mean_reward_tlt']:.3f}"
     )
+    return summary
 
 
 def write_plots(history: dict, plots_dir: str) -> list[str]:
