@@ -1,5 +1,8 @@
-"""Old import paths of moved modules: each still imports (and runs with `python -m`), with a FutureWarning that
-names the new path. They go in the release after 0.1 (CHANGELOG, Deprecated)."""
+"""Deprecated aliases: the old import paths of moved modules, kept for one release.
+
+Each still imports (and runs with `python -m`), with a FutureWarning that names the new path. They go in the release
+after 0.1 (CHANGELOG, Deprecated).
+"""
 
 from __future__ import annotations
 

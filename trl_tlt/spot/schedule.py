@@ -1,4 +1,8 @@
-"""How much spot training does: the learning rate by drafter step (`SpotSchedule`) and the share of the time budget a phase spends, from measured acceptance (`SpotBudget`)."""
+"""How much spot training does: its learning rate and its share of the time budget.
+
+`SpotSchedule` sets the learning rate by drafter step; `SpotBudget` the share of the time budget a phase spends,
+from measured acceptance.
+"""
 
 from __future__ import annotations
 

@@ -1,2 +1,4 @@
-"""What ships beside the library: the CLI commands, the embedded workload and demo, the simulators, tiny offline
-models. The library (everything else under `trl_tlt/`) never imports from here."""
+"""Tooling that ships beside the library: CLI commands, the embedded workload and demo, simulators, tiny models.
+
+The library (everything else under `trl_tlt/`) never imports from here.
+"""

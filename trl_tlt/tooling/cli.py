@@ -1,4 +1,6 @@
-"""`trl-tlt grpo`: TRL's GRPO script with `TLTGRPOTrainer`, in TRL's style (dataclass arguments, YAML, `TrlParser`).
+"""The `trl-tlt` command: `grpo`, `train-drafter` and `accelerate-config`.
+
+`trl-tlt grpo`: TRL's GRPO script with `TLTGRPOTrainer`, in TRL's style (dataclass arguments, YAML, `TrlParser`).
 `trl-tlt train-drafter`: warm-start a drafter before RL (`trl_tlt.tooling.warm_start`; `trl-tlt train-drafter --help`).
 
     trl-tlt grpo --config recipe.yaml

@@ -1,5 +1,7 @@
-"""Where a recorded figure came from: the command line, the commit, the machine and the seconds the run took, stamped
-into every benchmark JSON (scripts/) and the demo's (docs/demo/demo.json)."""
+"""Where a recorded figure came from: the command line, commit, machine and seconds of the run that made it.
+
+Stamped into every benchmark JSON (scripts/) and the demo's (docs/demo/demo.json).
+"""
 
 from __future__ import annotations
 
