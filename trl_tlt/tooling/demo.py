@@ -113,9 +113,10 @@ def main(argv=None) -> dict:
 
     summary = summarize(history)
     os.makedirs(plots_dir, exist_ok=True)
+    seeds = {"trainer": args.seed, "prompts": PROMPT_SEED, "eval_prompts": EVAL_SEED}
+    record = stamp({"summary": summary, "seeds": seeds, "builds": builds, **history})
     with open(os.path.join(plots_dir, "demo.json"), "w") as f:
-        seeds = {"trainer": args.seed, "prompts": PROMPT_SEED, "eval_prompts": EVAL_SEED}
-        json.dump(stamp({"summary": summary, "seeds": seeds, "builds": builds, **history}), f, indent=1)
+        json.dump(record, f, indent=1)
     written = write_plots(history, plots_dir)
     print(f"demo finished: run in {output_dir}; plots: {', '.join(written) or 'none (matplotlib not installed)'}")
     if tensorboard:

@@ -44,12 +44,15 @@ def command() -> str:
 
 
 def stamp(result: dict) -> dict:
-    """`result` with `command`, `commit`, `machine` and `seconds` (since the process started) added; values the run
-    set itself are kept."""
+    """`result` with `command`, `commit` (the code the run started with), `machine` and `seconds` (since the process
+    started) added; values the run set itself are kept."""
     provenance = {
         "command": command(),
-        "commit": commit(),
+        "commit": _COMMIT,
         "machine": machine(),
         "seconds": round(time.perf_counter() - _STARTED, 1),
     }
     return {**provenance, **result}
+
+
+_COMMIT = commit()  # at the start: files edited while a run goes on are not the code it runs
