@@ -295,7 +295,9 @@ def bench_drift(args, result: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     held_out = prompt_token_ids(tokenizer, make_dataset(32, seed=999)["prompt"])
     rewards = drift_rewards()
-    dataset = make_dataset(8 * args.drift_steps, seed=2024)
+    dataset = make_dataset(
+        8 * args.drift_steps, seed=2024 + args.seed
+    )  # --seed 0: the prompts the defaults were tuned on
     probes = []
 
     def probe(trainer):
@@ -304,7 +306,7 @@ def bench_drift(args, result: dict) -> None:
 
     def config_for(out, tlt):
         # the demo's and bench_e2e's layout: one prompt's group of 8 per micro-batch, 8 per optimizer step
-        return grpo_config(out, args.drift_steps, 8, 8, 512, 0, tlt, micro_batch=8, learning_rate=3e-5,
+        return grpo_config(out, args.drift_steps, 8, 8, 512, args.seed, tlt, micro_batch=8, learning_rate=3e-5,
                            reward_weights=rewards["reward_weights"])  # fmt: skip
 
     runs = pair("drift", policy_path, config_for, dataset, rewards["reward_funcs"], 1, probe)
@@ -329,13 +331,14 @@ def main() -> None:
     parser.add_argument("--drift-steps", type=int, default=30)
     parser.add_argument("--trainers", default="grpo,tlt", help="run only some: e.g. tlt, to sweep --tlt-args")
     parser.add_argument("--tlt-args", default="{}", help="TLTConfig fields (JSON) for the TLT runs; {} = defaults")
+    parser.add_argument("--seed", type=int, default=0, help="the drift part's seed and prompts (0: those tuned on)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     TLT_ARGS.update(json.loads(args.tlt_args))
     TRAINERS[:] = args.trainers.split(",")
     torch.set_num_threads(os.cpu_count() or 1)
     result = {"benchmark": "plain_swap", "machine": machine(), "command": " ".join(["python", *sys.argv]),
-              "commit": commit(), "seeds": [0], "tlt_args": TLT_ARGS}  # fmt: skip
+              "commit": commit(), "seeds": [args.seed], "tlt_args": TLT_ARGS}  # fmt: skip
     start = time.perf_counter()
     parts = {"bigvocab": bench_bigvocab, "bigvocab_trained": bench_bigvocab_trained, "drift": bench_drift}
     for part in args.parts.split(","):
