@@ -6,7 +6,7 @@ import json
 import random
 from collections.abc import Callable
 
-from trl_tlt.tooling.provenance import commit, machine, stamp  # noqa: F401  (commit, machine: for the scripts)
+from trl_tlt.tooling.provenance import machine, stamp  # noqa: F401  (machine: for the scripts that qualify it)
 
 
 def write_json(result: dict, path: str | None) -> None:

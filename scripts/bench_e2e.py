@@ -34,7 +34,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _bench import machine, write_json  # noqa: E402
+from _bench import write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -365,7 +365,6 @@ def main() -> None:
 
     result = {
         "benchmark": "e2e",
-        "machine": machine(),
         "policy": policy_path.name,
         "steps": args.steps,
         "seeds": seeds,

@@ -28,7 +28,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
-from _bench import bootstrap_interval, machine, write_json  # noqa: E402
+from _bench import bootstrap_interval, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters import ModelDrafter, NgramDrafter  # noqa: E402
@@ -254,7 +254,6 @@ def main() -> None:
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params), fp32",
         "draft_lm": f"{draft_path.name} ({draft_lm.config.num_hidden_layers} layer)",
         "eagle3": f"{eagle_path.name} (warm start, 1 layer)",
-        "machine": machine(),
         "sampling": f"temperature 1.0, no top-k/top-p, max_new_tokens {args.max_new_tokens}",
         "num_speculative_tokens": k,
         "repeats": dict(zip(shapes, repeats, strict=True)),

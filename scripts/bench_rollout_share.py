@@ -24,7 +24,7 @@ import tempfile
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
-from _bench import machine, write_json  # noqa: E402
+from _bench import write_json  # noqa: E402
 from bench_e2e import timed  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -107,7 +107,6 @@ def main() -> None:
     write_json(
         {
             "benchmark": "rollout share of the stock GRPOTrainer step at forced completion lengths",
-            "machine": machine(),
             "batch": f"8 prompts x 8 samples, training micro-batches of {args.micro_batch}, float32",
             "steps_per_point": args.steps,
             "points": points,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 
@@ -112,7 +111,6 @@ def main() -> None:
     )
     result = {
         "benchmark": "selector",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "workload": f"embedded policy {policy_path.name}, 8 prompts x 8 samples, "
         f"{'greedy' if args.greedy else 'temperature 1'}, "
         f"{args.batches} batches x {args.rounds} rounds (bandit warmed up on {args.warmup} batches)",

@@ -20,7 +20,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
-from _bench import machine, write_json  # noqa: E402
+from _bench import write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
@@ -47,7 +47,7 @@ def main() -> None:
     chains = [("default", k) for k in (1, 2, 3, 4)]
     trees = [tree_arm("default", 4, topk, 4 * topk) for topk in (2, 4)]
 
-    result = {"benchmark": "tree_arms", "machine": machine(), "chains": chains, "trees": trees, "per_shape": {}}
+    result = {"benchmark": "tree_arms", "chains": chains, "trees": trees, "per_shape": {}}
     for shape, batches in zip(args.shapes.split(","), (int(b) for b in args.batches.split(",")), strict=True):
         num_prompts, num_generations = (int(x) for x in shape.split("x"))
         bandits = {"chains": BanditSpeculation(arms=chains), "chains+trees": BanditSpeculation(arms=chains + trees)}

@@ -17,7 +17,6 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import time
 
 
@@ -32,7 +31,7 @@ for _var, _value in {
     os.environ.setdefault(_var, _value)
 
 import torch  # noqa: E402
-from _bench import commit, machine, write_json  # noqa: E402
+from _bench import write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.config import TLTConfig  # noqa: E402
@@ -103,7 +102,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=7, help="prompt set (make_dataset seed)")
     parser.add_argument("--output", help="result JSON")
     args = parser.parse_args(argv)
-    start = time.perf_counter()
 
     policy_dir, head_dir = str(build_policy()), str(build_eagle3_drafter())
     prompts = prompt_ids(AutoTokenizer.from_pretrained(policy_dir), args.prompts, args.seed)
@@ -116,9 +114,6 @@ def main(argv=None) -> dict:
     default = TLTConfig.vllm_draft_sample_method
     plain = runs["no_speculation"]["rollout_seconds_median"]
     result = {
-        "command": " ".join(["python", *sys.argv]),
-        "commit": commit(),
-        "machine": machine(),
         "setup": (
             f"embedded policy and its warm EAGLE-3 head (float32), {args.prompts} prompts x {args.samples} samples, "
             f"temperature 1, max {args.max_tokens} tokens, k={args.k}, vLLM enforce_eager"
@@ -137,7 +132,6 @@ def main(argv=None) -> dict:
             for rule in RULES
         },
         "runs": runs,
-        "seconds": time.perf_counter() - start,
     }
     print(f"\nT=1, k={args.k}: engine acceptance {engine:.2f}")
     print(f"{'vLLM run':<16}{'acceptance':>12}{'rollout s':>11}{'NaN logprobs':>14}")

@@ -20,16 +20,14 @@ import gc
 import os
 import platform
 import statistics
-import sys
 import tempfile
-import time
 
 
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
-from _bench import commit, machine, write_json  # noqa: E402
+from _bench import write_json  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
@@ -97,7 +95,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpu-memory", type=float, default=0.25, help="vllm_gpu_memory_utilization of each run")
     parser.add_argument("--output", help="result JSON")
     args = parser.parse_args(argv)
-    start = time.perf_counter()
 
     policy = args.policy or str(build_policy())
     drafter = args.drafter or str(build_eagle3_drafter())
@@ -109,9 +106,6 @@ def main(argv=None) -> dict:
     acceptance = [a for a in runs["tlt_eagle3"]["acceptance_length"] if a is not None]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86'})"
     result = {
-        "command": " ".join(["python", *sys.argv]),
-        "commit": commit(),
-        "machine": machine(),
         "device": device,
         "steps": args.steps,
         "rollout_seconds_median": median,
@@ -122,7 +116,6 @@ def main(argv=None) -> dict:
         if acceptance and runs["tlt_eagle3"]["temperature"] == 1
         else None,
         "runs": runs,
-        "seconds": time.perf_counter() - start,
     }
     print(f"\nvLLM colocate on {device}, {args.steps} GRPO steps each (8 prompts x 8 samples), median after step 1")
     print(f"{'run':<16}{'rollout s':>10}{'acceptance':>12}")

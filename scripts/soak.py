@@ -22,7 +22,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import psutil  # noqa: E402
-from _bench import machine, write_json  # noqa: E402
+from _bench import write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
@@ -117,7 +117,6 @@ def main() -> None:
     logs = [h for h in trainer.state.log_history if "reward" in h]
     after = slice(args.warmup, None)
     result = {
-        "machine": machine(),
         "steps": args.steps,
         "batch": f"{args.num_prompts} prompts x {args.num_generations}, max {args.max_completion_length} tokens",
         "warmup_steps_excluded_from_slopes": args.warmup,
