@@ -59,6 +59,16 @@ class TLTConfig(GRPOConfig):
         drafter_ttt_length (`int`, *optional*, defaults to `4`):
             Unrolled draft steps the EAGLE-3 head trains on (training-time test); a drafter step's cost grows with it.
             Independent of the draft length: a head trained at 4 drafts fastest at k=6 (docs/benchmarks.md).
+        hybrid_drafting (`bool`, *optional*, defaults to `True`):
+            Per row and step, draft from whichever source has lately predicted best: the drafter of `drafter_type`,
+            a lookup over the row's GRPO siblings (and its own text), or a lookup over the prompt's completions from
+            its latest earlier rollout (the history, `history_max_tokens`); a lookup may draft past
+            `num_speculative_tokens` where it keeps matching. One verification, lossless (docs/drafters.md).
+            With `drafter_type="ngram"`: the sibling and history lookups alone. trl-tlt's engine only.
+        history_max_tokens (`int`, *optional*, defaults to `1048576`):
+            With `hybrid_drafting`: memory budget, in tokens, of the per-rank store of each prompt's completions from
+            its latest rollout (a prompt's new rollout replaces its old one; the prompts seen longest ago go first
+            beyond the budget; saved in checkpoints). About 40 MB at the default. `0`: no history.
         > Parameters that control how far to speculate
 
         speculative_selector (`str`, *optional*, defaults to `"bandit"`):
@@ -142,6 +152,8 @@ class TLTConfig(GRPOConfig):
     num_speculative_tokens: int = field(default=6, metadata={"help": _help(__doc__, "num_speculative_tokens")})
     draft_vocab_size: int | None = field(default=None, metadata={"help": _help(__doc__, "draft_vocab_size")})
     drafter_ttt_length: int = field(default=4, metadata={"help": _help(__doc__, "drafter_ttt_length")})
+    hybrid_drafting: bool = field(default=True, metadata={"help": _help(__doc__, "hybrid_drafting")})
+    history_max_tokens: int = field(default=1_048_576, metadata={"help": _help(__doc__, "history_max_tokens")})
     speculative_selector: str = field(
         default="bandit", metadata={"help": _help(__doc__, "speculative_selector"), "choices": list(SELECTORS)}
     )
@@ -205,6 +217,8 @@ class TLTConfig(GRPOConfig):
             raise ValueError(
                 f"`vllm_draft_sample_method` must be 'probabilistic' or 'greedy', got {self.vllm_draft_sample_method!r}."
             )
+        if self.history_max_tokens < 0:
+            raise ValueError(f"`history_max_tokens` must be >= 0 (0 = no history), got {self.history_max_tokens}.")
         for name in ("spot_buffer_steps", "spot_buffer_max_tokens", "spot_tokens_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")

@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .drafters.base import DraftContext, Drafter
+from .drafters.base import DRAFT_SOURCES, DraftContext, Drafter
 from .kv_cache import RaggedKVModel
 from .rejection_sampler import verify_drafts
 from .sampling import SamplingParams, process_logits, upcast_logits
@@ -45,7 +45,8 @@ class GenerationStats:
 
     `mean_acceptance_length` = 1 + num_accepted_tokens / num_drafts: tokens emitted per speculative row-step,
     bonus included. For a tree step, `num_draft_tokens` counts the nodes verified and `num_accepted_tokens` the
-    accepted path's length. `active_batch_sizes[i]`, `num_speculative_tokens[i]`, `drafter_names[i]`,
+    accepted path's length. `num_accepted_tokens_by_source[s]` / `num_draft_tokens_by_source[s]`: accepted and
+    drafted tokens that came from source s (`DRAFT_SOURCES`). `active_batch_sizes[i]`, `num_speculative_tokens[i]`, `drafter_names[i]`,
     `step_emitted_tokens[i]` and `step_seconds[i]` describe decode step i.
     """
 
@@ -63,6 +64,8 @@ class GenerationStats:
     drafter_names: list[str | None] = field(default_factory=list)
     step_emitted_tokens: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    num_accepted_tokens_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DRAFT_SOURCES, 0))
+    num_draft_tokens_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DRAFT_SOURCES, 0))
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -77,10 +80,20 @@ class GenerationStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def observe_step(
-        self, active: int, k: int, name: str | None, tree: bool, emitted: int, num_drafts, num_accepted, seconds
+        self,
+        active: int,
+        k: int,
+        name: str | None,
+        tree: bool,
+        emitted: int,
+        num_drafts,
+        num_accepted,
+        seconds,
+        source=None,
     ) -> None:
         """Record one decode step: `active` rows, `k` the arm's draft length (0: no draft), `num_drafts` /
-        `num_accepted` (per row) the tokens drafted and accepted, `emitted` tokens in `seconds`."""
+        `num_accepted` (per row) the tokens drafted and accepted, `emitted` tokens in `seconds`, `source` (B, L)
+        each draft's source (`Draft.source`; None: all learned)."""
         self.num_target_forwards += 1
         self.num_tree_steps += tree
         self.num_emitted_tokens += emitted
@@ -94,9 +107,22 @@ class GenerationStats:
         self.num_drafts += int((num_drafts > 0).sum())
         self.num_draft_tokens += int(num_drafts.sum())
         self.num_accepted_tokens += int(num_accepted.sum())
-        per_pos = torch.bincount(num_accepted, minlength=k + 1).flip(0).cumsum(0).flip(0)[1:]
-        if len(self.num_accepted_tokens_per_pos) < k:
-            self.num_accepted_tokens_per_pos += [0] * (k - len(self.num_accepted_tokens_per_pos))
+        width = max(k, int(num_drafts.max()))  # a lookup may draft past k
+        per_pos = torch.bincount(num_accepted, minlength=width + 1).flip(0).cumsum(0).flip(0)[1:]
+        if len(self.num_accepted_tokens_per_pos) < width:
+            self.num_accepted_tokens_per_pos += [0] * (width - len(self.num_accepted_tokens_per_pos))
+        if source is None:
+            self.num_accepted_tokens_by_source["learned"] += int(num_accepted.sum())
+            self.num_draft_tokens_by_source["learned"] += int(num_drafts.sum())
+        else:
+            position = torch.arange(source.size(1), device=source.device)[None]
+            for mask, counts in (
+                (position < num_accepted[:, None], self.num_accepted_tokens_by_source),
+                (position < num_drafts[:, None], self.num_draft_tokens_by_source),
+            ):
+                totals = torch.bincount(source[mask], minlength=len(DRAFT_SOURCES)).tolist()
+                for src, total in zip(DRAFT_SOURCES, totals, strict=True):
+                    counts[src] += total
         for j, count in enumerate(per_pos.tolist()):
             self.num_accepted_tokens_per_pos[j] += count
 
@@ -235,6 +261,7 @@ class SpeculativeEngine:
                 group_ids=group_ids if group_ids is not None else group_ids_from_prompts(prompts),
                 params=params,
                 generator=generator,
+                prompt_lengths=[len(p) for p in prompts],
             ),
             completions=[[] for _ in prompts],
             logprobs=[[] for _ in prompts],
@@ -288,7 +315,7 @@ class SpeculativeEngine:
         rows = run.ctx.row_ids.tolist()
         remaining = torch.tensor([params.max_new_tokens - len(run.completions[r]) for r in rows], device=device)
         last = torch.tensor([run.ctx.sequences[r][-1] for r in rows], device=device)[:, None]
-        draft_ids, draft_probs, num_drafts, valid_rows, tree = self._draft(
+        draft_ids, draft_probs, source, num_drafts, valid_rows, tree = self._draft(
             run.started[name] if k > 0 else None, arm, run.ctx, run.vocab, remaining
         )
         if k > 0:
@@ -304,7 +331,7 @@ class SpeculativeEngine:
             )
         else:
             num_accepted, next_tokens, emitted_lp = self._verify_chain(
-                run.policy, last, draft_ids, num_drafts, draft_probs, run.seen, params, generator
+                run.policy, last, draft_ids, num_drafts, draft_probs, source, run.seen, params, generator
             )
         run.ctx.hidden_states = run.policy.hidden_states
         keep, emitted = self._emit(run, draft_ids, num_accepted, next_tokens, emitted_lp)
@@ -313,19 +340,20 @@ class SpeculativeEngine:
         stats.verify_s += time.perf_counter() - verify_start
 
         step_seconds = time.perf_counter() - step_start
-        stats.observe_step(active, k, name, tree is not None, emitted, num_drafts, num_accepted, step_seconds)
+        stats.observe_step(active, k, name, tree is not None, emitted, num_drafts, num_accepted, step_seconds, source)
         self.speculation.update(active, arm, emitted, step_seconds)
         return keep
 
     @staticmethod
     def _draft(drafter: Drafter | None, arm: Arm, ctx: DraftContext, vocab: int, remaining: torch.Tensor):
         """This step's draft from `drafter` for `arm`, checked and cut to the token budget (`remaining` per row):
-        (draft_ids, draft_probs, num_drafts, valid_rows, tree) with tree = (DraftTree, ancestors, depths) for a
-        tree arm, else None; no drafter (k = 0): no drafts."""
+        (draft_ids, draft_probs, source, num_drafts, valid_rows, tree) with source the chain's `Draft.source` (None:
+        all learned) and tree = (DraftTree, ancestors, depths) for a tree arm, else None; no drafter (k = 0): no
+        drafts."""
         active, device = remaining.numel(), remaining.device
         if drafter is None:
             empty = torch.zeros((active, 0), dtype=torch.long, device=device)
-            return empty, None, torch.zeros(active, dtype=torch.long, device=device), None, None
+            return empty, None, None, torch.zeros(active, dtype=torch.long, device=device), None, None
         k = arm.k
         if arm.is_tree:
             if not hasattr(drafter, "propose_tree"):
@@ -337,20 +365,20 @@ class SpeculativeEngine:
             # Never draft past the budget: a path of depth d emits d + 1 tokens.
             depths = depths_from_ancestors(ancestors)
             tree.valid &= depths <= (remaining - 1)[:, None]
-            return None, None, tree.valid.sum(dim=1), valid_rows, (tree, ancestors, depths)
+            return None, None, None, tree.valid.sum(dim=1), valid_rows, (tree, ancestors, depths)
         draft = drafter.propose(ctx, k)
-        draft_ids, draft_probs, valid_rows = _checked_draft(draft, k, vocab)
+        draft_ids, draft_probs, source, valid_rows = _checked_draft(draft, vocab)
         # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
         num_drafts = torch.where(valid_rows, torch.minimum(draft.num_tokens, remaining - 1), 0)
         # Verify only as many positions as the longest draft needs (a drafter may stop short of k).
         longest = int(num_drafts.max())
-        if longest < k:
-            draft_ids = draft_ids[:, :longest]
-            draft_probs = None if draft_probs is None else draft_probs[:, :longest]
-        return draft_ids, draft_probs, num_drafts, valid_rows, None
+        draft_ids = draft_ids[:, :longest]
+        source = None if source is None else source[:, :longest]
+        draft_probs = None if draft_probs is None else draft_probs[:, :longest]
+        return draft_ids, draft_probs, source, num_drafts, valid_rows, None
 
     @staticmethod
-    def _verify_chain(policy, last, draft_ids, num_drafts, draft_probs, seen, params, generator):
+    def _verify_chain(policy, last, draft_ids, num_drafts, draft_probs, source, seen, params, generator):
         """One policy forward over each row's last token and its chain draft; the accepted prefix stays in the cache.
         Returns (num_accepted, next_tokens, emitted_lp) as `verify_drafts`."""
         width = draft_ids.size(1) + 1
@@ -359,8 +387,9 @@ class SpeculativeEngine:
         logits = policy.extend(torch.cat([last, draft_ids], dim=1), valid)  # (B, width, V)
         step_seen = None if seen is None else _seen_per_position(seen, draft_ids)
         logp = process_logits(upcast_logits(logits), params, step_seen)
+        one_hot = None if source is None else source != DRAFT_SOURCES.index("learned")
         num_accepted, next_tokens, emitted_lp = verify_drafts(
-            logp, draft_ids, num_drafts, draft_probs, params.do_sample, generator
+            logp, draft_ids, num_drafts, draft_probs, params.do_sample, generator, one_hot
         )
         policy.truncate(lengths_before + 1 + num_accepted)
         return num_accepted, next_tokens, emitted_lp
@@ -429,21 +458,31 @@ class SpeculativeEngine:
         return torch.tensor(keep, dtype=torch.bool, device=num_accepted.device), sum(counts_l)
 
 
-def _checked_draft(draft, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """A drafter fault must never reach verification: a row drafting a token outside the vocabulary, or whose q is
-    not a distribution with mass on its drafts (NaN, infinite, negative, zero), drafts nothing this step (it then
-    emits one token sampled from the policy, exactly). Returns token ids and q made safe, and the valid rows (B,)."""
-    ids = draft.token_ids  # (B, k)
-    used = torch.arange(k, device=ids.device)[None, :] < draft.num_tokens[:, None]  # (B, k)
+def _checked_draft(draft, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """A drafter fault must never reach verification: a row drafting a token outside the vocabulary or a source
+    `DRAFT_SOURCES` does not name, or whose q is not a distribution with mass on its sampled drafts (NaN, infinite,
+    negative, zero; missing past q's length), drafts nothing this step (it then emits one token sampled from the
+    policy, exactly). Returns token ids, q and sources made safe, and the valid rows (B,)."""
+    ids = draft.token_ids  # (B, L)
+    width = ids.size(1)
+    used = torch.arange(width, device=ids.device)[None, :] < draft.num_tokens[:, None]  # (B, L)
     valid = ((ids >= 0) & (ids < vocab) | ~used).all(dim=1)
     ids = torch.where(used & valid[:, None], ids, 0)
+    source, sampled = draft.source, used
+    if source is not None:
+        valid &= ((source >= 0) & (source < len(DRAFT_SOURCES)) | ~used).all(dim=1)
+        sampled = used & (source == DRAFT_SOURCES.index("learned"))
     probs = draft.probs
     if probs is not None:  # (B, k, V)
+        k = probs.size(1)
+        valid &= ~sampled[:, k:].any(dim=1)  # a sampled draft past q's length has no q
         finite = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)  # (B, k)
-        mass = probs.gather(-1, ids[..., None]).squeeze(-1) > 0
-        valid &= ((finite & mass) | ~used).all(dim=1)
+        mass = probs.gather(-1, ids[:, :k, None]).squeeze(-1) > 0
+        valid &= ((finite & mass) | ~sampled[:, :k]).all(dim=1)
         probs = torch.where(valid[:, None, None], probs, 0.0)
-    return ids, probs, valid
+    if source is not None:
+        source = torch.where(used & valid[:, None], source, 0)
+    return ids, probs, source, valid
 
 
 def _seen_per_position(seen: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ def verify_drafts(
     draft_probs: torch.Tensor | None,
     do_sample: bool,
     generator: torch.Generator | None = None,
+    one_hot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify a batch of drafts against the target.
 
@@ -41,9 +42,11 @@ def verify_drafts(
         target_logprobs: (B, k+1, V) processed target log-probabilities at the k+1 verified positions.
         draft_token_ids: (B, k) proposed tokens (entries at j >= num_draft_tokens[b] are ignored).
         num_draft_tokens: (B,) number of valid drafts per row, in [0, k].
-        draft_probs: (B, k, V) draft distributions q_j, or None for a deterministic drafter (one-hot q).
+        draft_probs: (B, k', V) draft distributions q_j (k' <= k), or None for a deterministic drafter (one-hot q).
         do_sample: False = greedy verification.
         generator: Random generator for the uniforms (acceptance tests and the final sample).
+        one_hot: (B, k) drafts whose q is one-hot whatever `draft_probs` holds (a deterministic source among
+            sampled ones, `HybridDrafter`); every draft at j >= k' must be one of them.
 
     Returns:
         num_accepted_tokens (B,), next_token_ids (B,) (the corrected or bonus token), and
@@ -51,7 +54,8 @@ def verify_drafts(
 
     The uniforms are drawn here, then one implementation runs: the fused Triton kernel (`trl_tlt.kernels`) on CUDA,
     `verify_reference` elsewhere; `TRL_TLT_KERNELS=torch|triton` forces one (triton on CPU needs
-    `TRITON_INTERPRET=1`). Both give the same tokens for the same uniforms.
+    `TRITON_INTERPRET=1`). Both give the same tokens for the same uniforms. Drafts mixing sampled and one-hot q
+    (`one_hot` with `draft_probs`) are verified by `verify_reference` only.
     """
     batch, k_plus_1, _ = target_logprobs.shape
     device, dtype = target_logprobs.device, target_logprobs.dtype
@@ -61,6 +65,8 @@ def verify_drafts(
     else:
         uniform_accept = uniform_sample = None
     args = (target_logprobs, draft_token_ids, num_draft_tokens, draft_probs, uniform_accept, uniform_sample)
+    if one_hot is not None and draft_probs is not None:
+        return verify_reference(*args, one_hot=one_hot)
     if use_triton(device):
         from .kernels import verify_triton
 
@@ -85,8 +91,9 @@ def verify_reference(
     draft_probs: torch.Tensor | None,
     uniform_accept: torch.Tensor | None,
     uniform_sample: torch.Tensor | None,
+    one_hot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch implementation of `verify_drafts` given its uniforms (None: greedy verification).
+    """The torch implementation of `verify_drafts` given its uniforms (None: greedy verification) and one-hot mask.
 
     The next token is sampled by inverse CDF (`sample_inverse_cdf`, with `uniform_sample`).
     """
@@ -100,10 +107,12 @@ def verify_reference(
 
     if do_sample:
         p_draft = target_logprobs[:, :k].gather(-1, drafts[..., None]).squeeze(-1).exp()  # (B, k)
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-        else:
-            q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
+        q_draft = torch.ones_like(p_draft)
+        if draft_probs is not None:
+            sampled = draft_probs.size(1)
+            q_draft[:, :sampled] = draft_probs.gather(-1, drafts[:, :sampled, None]).squeeze(-1)
+            if one_hot is not None:
+                q_draft = torch.where(one_hot, 1.0, q_draft)
         accepted = (uniform_accept * q_draft <= p_draft) & valid
     else:
         accepted = (target_logprobs[:, :k].argmax(dim=-1) == drafts) & valid
@@ -117,10 +126,13 @@ def verify_reference(
         rejected = num_accepted < num_draft_tokens  # (B,)
         if rejected.any():
             at = num_accepted.clamp(max=max(k - 1, 0))
-            if draft_probs is None:
-                q_next = torch.zeros_like(next_probs).scatter_(-1, drafts.gather(1, at[:, None]), 1.0)
-            else:
-                q_next = draft_probs.gather(1, at[:, None, None].expand(batch, 1, vocab)).squeeze(1)
+            q_next = torch.zeros_like(next_probs).scatter_(-1, drafts.gather(1, at[:, None]), 1.0)
+            if draft_probs is not None:
+                from_q = draft_probs.gather(1, at.clamp(max=draft_probs.size(1) - 1)[:, None, None].expand(batch, 1, vocab))
+                deterministic = at >= draft_probs.size(1)
+                if one_hot is not None:
+                    deterministic |= one_hot.gather(1, at[:, None]).squeeze(1)
+                q_next = torch.where(deterministic[:, None], q_next, from_q.squeeze(1))
             residual = (next_probs - q_next).clamp(min=0)
             # A rejection implies p != q, so the residual has mass; guard against round-off all the same.
             residual_ok = residual.sum(-1, keepdim=True) > 0

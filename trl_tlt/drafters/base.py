@@ -16,6 +16,10 @@ import torch
 from ..sampling import SamplingParams
 
 
+# Where a drafted token came from: the drafter's model (sampled from its q), the row's own text and its GRPO siblings
+# in this rollout, or the prompt's earlier rollouts (`PromptHistory`). The last two are deterministic (q one-hot).
+DRAFT_SOURCES = ("learned", "siblings", "history")
+
 @dataclass
 class DraftContext:
     """The engine's view of the active batch, shared with the drafter.
@@ -27,6 +31,7 @@ class DraftContext:
         group_ids: Group of every original row: rows with the same prompt (GRPO's siblings) share a group.
         params: The sampling settings.
         generator: Random generator for stochastic drafters.
+        prompt_lengths: Prompt length of every original row (its first tokens in `sequences`; empty: unknown).
         hidden_states: The policy's hidden states from its last forward (engine-specific, for EAGLE drafters).
     """
 
@@ -35,23 +40,28 @@ class DraftContext:
     group_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
+    prompt_lengths: list[int] = field(default_factory=list)
     hidden_states: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
 
 @dataclass
 class Draft:
-    """k proposed tokens per active row.
+    """Proposed tokens per active row: k of them, or more where a deterministic source continues (`source`).
 
     Attributes:
-        token_ids: (B, k) draft token ids (entries past `num_tokens` are ignored).
-        num_tokens: (B,) number of valid drafts per row, in [0, k].
-        probs: (B, k, V) the distributions the drafts were sampled from, or None if the drafter is deterministic
-            (then q is one-hot on the draft, which keeps rejection sampling exact).
+        token_ids: (B, L) draft token ids (entries past `num_tokens` are ignored).
+        num_tokens: (B,) number of valid drafts per row, in [0, L].
+        probs: (B, k, V) the distributions the drafts were sampled from (k <= L), or None if the drafter is
+            deterministic (then q is one-hot on the draft, which keeps rejection sampling exact).
+        source: (B, L) index into `DRAFT_SOURCES` of each draft's source; drafts from a source other than "learned"
+            are deterministic (q one-hot, whatever `probs` holds there), and positions >= k must be. None: all
+            "learned" (all deterministic if `probs` is None).
     """
 
     token_ids: torch.Tensor
     num_tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    source: torch.Tensor | None = None
 
 
 class Drafter:

@@ -1,16 +1,39 @@
 """Model-free n-gram drafter: prompt lookup over the row's own text and over its GRPO siblings.
 
 GRPO samples G completions per prompt; siblings that got further (or finished early) are good drafts for the
-others. For each group we keep a dict from every n-gram (min_n <= n <= max_n) seen in any row of the group to
-the place right after its latest occurrence; a row drafts the k tokens that followed the longest match of its
-own suffix. Indexing is incremental: each new token costs max_n - min_n + 1 dict writes.
+others. Each group (the rows of one prompt) has a `SuffixIndex` over all its rows; a row drafts the k tokens that
+followed the longest match of its own suffix.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import Draft, DraftContext, Drafter
+from .base import DRAFT_SOURCES, Draft, DraftContext, Drafter
+from .lookup import SuffixIndex
+
+
+class SiblingLookup:
+    """One `SuffixIndex` per group over the rows of the running batch (prompt and completion so far)."""
+
+    def __init__(self, ctx: DraftContext, min_n: int, max_n: int):
+        self.indexes = {g: SuffixIndex(min_n, max_n) for g in set(ctx.group_ids)}
+
+    def update(self, ctx: DraftContext) -> None:
+        """Index every row of each active group, so that siblings see each other's newest tokens."""
+        groups = {ctx.group_ids[r] for r in ctx.row_ids.tolist()}
+        for row, seq in enumerate(ctx.sequences):
+            if ctx.group_ids[row] in groups:
+                self.indexes[ctx.group_ids[row]].update(row, seq)
+
+    def continuation(self, ctx: DraftContext, row: int, length: int, tokens: list[int] | None = None):
+        """(match length n, up to `length` tokens that followed the longest match of `tokens` (default: the row's
+        text)); (0, []) without a match."""
+        tokens = ctx.sequences[row] if tokens is None else tokens
+        hit = self.indexes[ctx.group_ids[row]].match(tokens)
+        if hit is None:
+            return 0, []
+        return hit.n, ctx.sequences[hit.sequence][hit.start : hit.start + length]
 
 
 class NgramDrafter(Drafter):
@@ -25,40 +48,22 @@ class NgramDrafter(Drafter):
     """
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"NgramDrafter needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}.")
+        SuffixIndex(min_n, max_n)  # checks the bounds now rather than at the first rollout
         self.max_n, self.min_n = max_n, min_n
 
     def start(self, ctx: DraftContext) -> None:
-        self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {g: {} for g in set(ctx.group_ids)}
-        self._indexed = [0] * len(ctx.sequences)  # n-grams ending before this position are indexed, per row
-
-    def _update(self, row: int, group: int, seq: list[int]) -> None:
-        index = self._index[group]
-        # Index n-grams ending at position e <= len - 2, so that every entry has a continuation.
-        for end in range(self._indexed[row], len(seq) - 1):
-            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                index[tuple(seq[end - n + 1 : end + 1])] = (row, end + 1)
-        self._indexed[row] = max(self._indexed[row], len(seq) - 1)
+        self._lookup = SiblingLookup(ctx, self.min_n, self.max_n)
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         rows = ctx.row_ids.tolist()
         token_ids = torch.zeros((len(rows), k), dtype=torch.long)
         num_tokens = torch.zeros(len(rows), dtype=torch.long)
-        # Index every row of each active group first, so that siblings see each other's newest tokens.
-        groups = {ctx.group_ids[r] for r in rows}
-        for row, seq in enumerate(ctx.sequences):
-            if ctx.group_ids[row] in groups:
-                self._update(row, ctx.group_ids[row], seq)
+        self._lookup.update(ctx)
         for i, row in enumerate(rows):
-            seq, index = ctx.sequences[row], self._index[ctx.group_ids[row]]
-            for n in range(min(self.max_n, len(seq)), self.min_n - 1, -1):
-                hit = index.get(tuple(seq[-n:]))
-                if hit is not None:
-                    src_row, start = hit
-                    cont = ctx.sequences[src_row][start : start + k]
-                    token_ids[i, : len(cont)] = torch.tensor(cont, dtype=torch.long)
-                    num_tokens[i] = len(cont)
-                    break
+            _, cont = self._lookup.continuation(ctx, row, k)
+            if cont:
+                token_ids[i, : len(cont)] = torch.tensor(cont, dtype=torch.long)
+                num_tokens[i] = len(cont)
         device = ctx.row_ids.device
-        return Draft(token_ids=token_ids.to(device), num_tokens=num_tokens.to(device))
+        source = torch.full_like(token_ids, DRAFT_SOURCES.index("siblings"))
+        return Draft(token_ids=token_ids.to(device), num_tokens=num_tokens.to(device), source=source.to(device))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import tempfile
@@ -20,12 +21,13 @@ from ..drafters.eagle3 import Eagle3Model
 logger = logging.get_logger(__name__)
 
 DRAFTER_DIR = "drafter"  # inside every checkpoint folder
+HISTORY_NAME = "tlt_history/rank{rank}.json"  # each rank's prompt history (hybrid_drafting), in every checkpoint
 SPOT_STATE_NAME = "spot_state.pt"  # drafter optimizer, scheduler, step count and buffer metadata (spot training)
 
 
 class DrafterCheckpoints:
-    """Mixed into `TLTGRPOTrainer`. The drafter saved beside every checkpoint (in the background), restored on resume,
-    exported for vLLM / SGLang and pushed to the Hub with a model card."""
+    """Mixed into `TLTGRPOTrainer`. The drafter saved beside every checkpoint (in the background) with each rank's prompt
+    history, restored on resume, exported for vLLM / SGLang and pushed to the Hub with a model card."""
 
     def save_drafter(self, path: str | os.PathLike) -> None:
         """Save the drafter: EAGLE-3 in the layout vLLM and SGLang load, a small LM with `save_pretrained`."""
@@ -77,10 +79,11 @@ class DrafterCheckpoints:
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._save_history(folder)
         drafter = self._trainable_drafter()
         if drafter is None or not self.args.should_save:
             return
-        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         # Snapshot now (training goes on), write in the background to drafter.tmp, then rename: a run killed while
         # writing leaves no half-written drafter/ behind.
         if isinstance(drafter, Eagle3Model):
@@ -110,6 +113,20 @@ class DrafterCheckpoints:
         self._drafter_writer = threading.Thread(target=write, name="tlt-drafter-checkpoint")
         self._drafter_writer.start()
 
+    def _history_path(self, folder: Path) -> Path:
+        return folder / HISTORY_NAME.format(rank=self.accelerator.process_index)
+
+    def _save_history(self, folder: Path) -> None:
+        """Every rank writes its own prompt history (`hybrid_drafting`), written to a temporary file and renamed."""
+        history = self.tlt_hybrid.history if self.tlt_hybrid is not None else None
+        if history is None:
+            return
+        path = self._history_path(folder)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(history.state_dict()))
+        os.replace(tmp, path)
+
     def join_drafter_writes(self) -> None:
         """Wait for the background drafter checkpoint write, if any (called before the next one and at train end);
         raise its error, if it failed, so that a checkpoint without its drafter never passes unnoticed."""
@@ -126,6 +143,10 @@ class DrafterCheckpoints:
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        history = self.tlt_hybrid.history if self.tlt_hybrid is not None else None
+        history_path = self._history_path(Path(resume_from_checkpoint))
+        if history is not None and history_path.is_file():  # a checkpoint without one: the history starts empty
+            history.load_state_dict(json.loads(history_path.read_text()))
         drafter = self._trainable_drafter()
         if drafter is None:
             return

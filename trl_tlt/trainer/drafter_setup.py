@@ -11,6 +11,8 @@ from transformers.utils import logging
 
 from ..drafter_training import DistillConfig
 from ..drafters import Drafter, ModelDrafter, NgramDrafter
+from ..drafters.history import PromptHistory
+from ..drafters.hybrid import HybridDrafter
 from ..drafters.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, DraftVocabulary
 from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from ..speculation import BANDIT_DRAFT_LENGTHS, Arm, BanditSpeculation, FixedSpeculation, SpeculationPolicy, tree_arm
@@ -68,6 +70,15 @@ class DrafterSetup:
         drafter_lm.to(device)
         vocab_size = self.model.config.get_text_config().vocab_size
         return ModelDrafter(drafter_lm, vocab_size)
+
+    def _build_hybrid(self) -> HybridDrafter | None:
+        """With `hybrid_drafting`: the drafter, the sibling lookup and the prompt history, chosen per row (the lookups
+        alone with `drafter_type="ngram"`); None without a drafter."""
+        if not self.args.hybrid_drafting or self.tlt_drafter is None or self.use_vllm:
+            return None
+        learned = None if isinstance(self.tlt_drafter, NgramDrafter) else self.tlt_drafter
+        history = PromptHistory(self.args.history_max_tokens) if self.args.history_max_tokens else None
+        return HybridDrafter(learned, history)
 
     def _load_drafter_lm(self, path: str) -> PreTrainedModel:
         """The drafter LM (safetensors weights only, no remote code), refused by name unless it reads the policy's

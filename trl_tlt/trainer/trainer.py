@@ -29,7 +29,7 @@ from ..engine import GenerationStats, SpeculativeEngine
 from ..kv_cache import ragged_cache_mismatch
 from ..micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
 from ..sampling import SamplingParams
-from ..speculation import FixedSpeculation, batch_size_bucket
+from ..speculation import FixedSpeculation, SpeculationPolicy, batch_size_bucket
 from ..spot import SpotStats
 from ..vllm_generation import DrafterWatchdog
 from .callbacks import GracefulStop, JoinDrafterWrites
@@ -78,6 +78,7 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
                 self._note_stock_generation(self.tlt_fallback_reason)
             else:
                 self.tlt_drafter = self._build_drafter()
+        self.tlt_hybrid = self._build_hybrid()  # what drafts in the engine, around `tlt_drafter` (None: it alone)
         self.tlt_speculation = self._build_speculation()
         self.tlt_last_stats: GenerationStats | None = None
         self.tlt_last_vllm_stats: dict[str, float] | None = None
@@ -147,15 +148,17 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
                     self.tlt_fallback_reason = ragged_cache_mismatch(unwrapped_model, self._tokenizer.pad_token_id)
                 reason = self.tlt_fallback_reason
                 if reason is None:
-                    idle = self.tlt_spot is not None and not self.tlt_spot.drafter_pays
+                    drafter, speculation = self._rollout_drafter()
                     engine = SpeculativeEngine(
                         unwrapped_model,
-                        drafter=None if idle else self.tlt_drafter,  # a drafter that does not pay is left idle
-                        speculation=FixedSpeculation(0) if idle else self.tlt_speculation,
+                        drafter=drafter,
+                        speculation=speculation,
                         pad_token_id=self._tokenizer.pad_token_id,
                     )
                     params = self._sampling_params(unwrapped_model)
                     out = engine.generate(prompt_ids, params, generator=self._tlt_generator)
+                    if self.tlt_hybrid is not None and self.tlt_hybrid.history is not None and training:
+                        self.tlt_hybrid.history.add(prompt_ids, out.completion_ids)
                     if self.tlt_spot is not None and training:
                         self._spot_phase(unwrapped_model, prompt_ids, out.completion_ids, out.stats.total_s)
             if reason is None:
@@ -165,6 +168,15 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
             self._refuse_spot_training_without_engine()
         self._note_stock_generation(reason)
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _rollout_drafter(self) -> tuple[Drafter | None, SpeculationPolicy]:
+        """This rollout's drafter and speculation policy: a learned drafter that does not pay (spot training's
+        verdict) is left idle, the hybrid's lookups still draft."""
+        if self.tlt_spot is None or self.tlt_spot.drafter_pays:
+            return self.tlt_hybrid or self.tlt_drafter, self.tlt_speculation
+        if self.tlt_hybrid is not None:
+            return self.tlt_hybrid.lookups_only(), self.tlt_speculation
+        return None, FixedSpeculation(0)
 
     def _log_rollout_stats(self, stats: GenerationStats) -> None:
         self.tlt_last_stats = stats
@@ -181,6 +193,12 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
             "tlt/rollout_tokens_per_second": stats.num_emitted_tokens / max(stats.total_s, 1e-9),
             "tlt/mean_active_batch_size": sum(stats.active_batch_sizes) / steps,
         }
+        accepted = sum(stats.num_accepted_tokens_by_source.values())
+        if accepted:  # which source each accepted draft token came from (shares)
+            for source, count in stats.num_accepted_tokens_by_source.items():
+                metrics[f"tlt/accepted_from_{source}"] = count / accepted
+        if self.tlt_hybrid is not None and self.tlt_hybrid.history is not None:
+            metrics["tlt/history_tokens"] = float(self.tlt_hybrid.history.num_tokens)
         # per power-of-two bucket of the active batch size: the k chosen (mean) and the tokens per second
         buckets: dict[int, list] = {}
         for size, k, tokens, seconds in zip(

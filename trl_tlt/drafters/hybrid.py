@@ -1,0 +1,206 @@
+"""`HybridDrafter`: per row, per step, the draft of the source that predicts it best, all verified in one forward.
+
+Three sources (`DRAFT_SOURCES`):
+
+- *learned*: the learned drafter (an EAGLE-3 head or a drafter LM), k tokens sampled from its q;
+- *siblings*: suffix lookup over the row's own text and its GRPO siblings in this rollout (as `NgramDrafter`);
+- *history*: suffix lookup over the prompt's completions from its latest earlier rollout (`PromptHistory`).
+
+How a row picks: a lookup that matches the row's suffix (the longer match of the two; the siblings on a tie) drafts
+up to `max_lookup_tokens` tokens, which may exceed k, where lookups from that source and of that match length have accepted more tokens
+per draft than the learned drafter lately (running means over the rows that used each, kept across calls: a new
+head loses to the lookups, a warm one wins unless the match is telling; with no learned drafter, a lookup must
+accept `NO_DRAFT_VALUE` tokens per draft); at one step in `EXPLORE_EVERY` every row takes the other choice, so both means stay
+current. A lookup drafts twice the tokens its match length accepted lately, plus 2: one that pays climbs to long
+drafts within a few steps, one that does not stays cheap to verify. Otherwise the row drafts the learned chain of k tokens, and where the
+chain's last `min_match` tokens match a lookup, the lookup's continuation extends it. The learned drafter runs for
+every row (one batched forward per draft position) and keeps seeing every policy forward.
+
+Lossless: which source a row uses, and how a learned chain is extended, depends only on tokens emitted and drafts
+accepted before this step and on the learned chain's own samples (an extension is a deterministic function of them, a one-hot q), never
+on the verification's draws; each drafted token is verified against its own q (one-hot for lookups), so every
+emitted token is distributed as the policy's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import DRAFT_SOURCES, Draft, DraftContext, Drafter
+from .history import PromptHistory
+from .lookup import SuffixIndex
+from .ngram import SiblingLookup
+
+
+LEARNED, SIBLINGS, HISTORY = range(len(DRAFT_SOURCES))
+EXPLORE_EVERY = 16  # one step in 16 drafts every row from the source its running means rank second
+NO_DRAFT_VALUE = 1.0  # accepted tokens per draft a lookup must beat to draft without a learned drafter
+VALUE_DECAY = 0.1  # weight of a step's mean in the running means (the drafter and the policy move)
+
+
+class HybridDrafter(Drafter):
+    """Learned drafter, sibling lookup and prompt history, chosen per row (see the module docstring).
+
+    Args:
+        learned: The learned drafter (None: lookups only, siblings and history).
+        history: The prompt history store (None: no history source). The engine reads it; the caller adds each
+            rollout's completions to it (`PromptHistory.add`).
+        min_match: Shortest suffix match for a lookup to extend the learned chain.
+        max_lookup_tokens: Longest lookup draft (a lookup may draft past the step's k, up to this).
+        max_n, min_n: Longest and shortest suffix the lookups match.
+
+    Example:
+        >>> drafter = HybridDrafter(Eagle3Drafter(head), PromptHistory(max_tokens=1 << 20))
+        >>> engine = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=6)
+    """
+
+    def __init__(
+        self,
+        learned: Drafter | None,
+        history: PromptHistory | None = None,
+        min_match: int = 3,
+        max_lookup_tokens: int = 16,
+        max_n: int = 4,
+        min_n: int = 2,
+    ):
+        SuffixIndex(min_n, max_n)  # checks the bounds now rather than at the first rollout
+        if not min_n <= min_match <= max_n:
+            raise ValueError(f"HybridDrafter needs min_n <= min_match <= max_n, got {min_n}, {min_match}, {max_n}.")
+        if max_lookup_tokens < 1:
+            raise ValueError(f"`max_lookup_tokens` must be >= 1, got {max_lookup_tokens}.")
+        self.learned, self.history = learned, history
+        self.min_match, self.max_lookup_tokens, self.max_n, self.min_n = min_match, max_lookup_tokens, max_n, min_n
+        # Accepted tokens per draft, running means: "learned", and a lookup's by (source, match length n).
+        self.values: dict[str | tuple[int, int], float] = {}
+        self._chosen: list[str | tuple[int, int]] | None = None  # what each active row drafted from at the last `propose`
+        self._steps = 0
+        self._lookups_only: HybridDrafter | None = None
+
+    def lookups_only(self) -> HybridDrafter:
+        """This drafter without its learned part (the same history and settings, its own running means): for the
+        rollouts in which the learned drafter is left idle."""
+        if self.learned is None:
+            return self
+        if self._lookups_only is None:
+            self._lookups_only = HybridDrafter(
+                None, self.history, self.min_match, self.max_lookup_tokens, self.max_n, self.min_n
+            )
+        return self._lookups_only
+
+    def _lookup_length(self, key: tuple[int, int]) -> int:
+        """How far a lookup (source, match length n) drafts: twice the tokens such drafts accepted lately, plus 2 (2 while
+        untried), up to `max_lookup_tokens`: a lookup that pays climbs to long drafts, one that does not stays cheap."""
+        return min(self.max_lookup_tokens, 2 + int(2 * self.values.get(key, 0.0)))
+
+    def _use_lookup(self, key: tuple[int, int]) -> bool:
+        """Whether a row whose lookup (source, match length n) matched drafts from it rather than from the learned
+        drafter."""
+        lookup = self.values.get(key)
+        # Without a learned drafter a lookup competes with drafting nothing (worth `NO_DRAFT_VALUE`: its draft
+        # lengthens the verification).
+        learned = self.values.get("learned") if self.learned is not None else NO_DRAFT_VALUE
+        if lookup is None or learned is None:  # untried: try it
+            return lookup is None
+        explore = self._steps % EXPLORE_EVERY == 0
+        return (lookup > learned) != explore
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        return getattr(self.learned, "needs_hidden_states", False)
+
+    def start(self, ctx: DraftContext) -> None:
+        if self.learned is not None:
+            self.learned.start(ctx)
+        self._siblings = SiblingLookup(ctx, self.min_n, self.max_n)
+        # Per group: an index over the prompt's earlier completions (each with the prompt before it).
+        self._history: dict[int, tuple[SuffixIndex, list[list[int]]]] = {}
+        if self.history is None or not ctx.prompt_lengths:
+            return
+        for row, group in enumerate(ctx.group_ids):
+            if group in self._history:
+                continue
+            prompt = ctx.sequences[row][: ctx.prompt_lengths[row]]
+            earlier = [prompt + completion for completion in self.history.get(prompt)]
+            index = SuffixIndex(self.min_n, self.max_n)
+            for i, tokens in enumerate(earlier):
+                index.update(i, tokens)
+            self._history[group] = (index, earlier)
+
+    def _lookup(self, ctx: DraftContext, row: int, tokens: list[int], length: int) -> tuple[int, list[int], int]:
+        """The longer of the sibling and history matches of `tokens`' suffix: (n, continuation, source)."""
+        n, cont = self._siblings.continuation(ctx, row, length, tokens)
+        best = (n, cont, SIBLINGS)
+        if ctx.group_ids[row] in self._history:
+            index, earlier = self._history[ctx.group_ids[row]]
+            hit = index.match(tokens)
+            if hit is not None and hit.n > n:
+                best = (hit.n, earlier[hit.sequence][hit.start : hit.start + length], HISTORY)
+        return best
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        rows = ctx.row_ids.tolist()
+        learned = self.learned.propose(ctx, k) if self.learned is not None else None
+        if learned is not None:
+            learned_ids, learned_n = learned.token_ids.tolist(), learned.num_tokens.tolist()
+        self._siblings.update(ctx)
+        length = max(k, self.max_lookup_tokens)
+        drafts: list[tuple[list[int], list[int]]] = []  # per row: tokens, sources
+        self._chosen = []
+        for i, row in enumerate(rows):
+            seq = ctx.sequences[row]
+            n, cont, source = self._lookup(ctx, row, seq, length)
+            if cont and self._use_lookup((source, n)):
+                cont = cont[: self._lookup_length((source, n))]
+                drafts.append((cont, [source] * len(cont)))
+                self._chosen.append((source, n))
+                continue
+            self._chosen.append("learned")
+            if learned is None:
+                drafts.append(([], []))
+                continue
+            tokens = learned_ids[i][: learned_n[i]]
+            sources = [LEARNED] * len(tokens)
+            if len(tokens) == k and length > k:
+                n, cont, source = self._lookup(ctx, row, seq + tokens, length - k)
+                if n >= self.min_match:
+                    tokens, sources = tokens + cont, sources + [source] * len(cont)
+            drafts.append((tokens, sources))
+        self._steps += 1
+        width = max([k] + [len(t) for t, _ in drafts])
+        token_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        source = torch.full((len(rows), width), SIBLINGS, dtype=torch.long)
+        for i, (tokens, sources) in enumerate(drafts):
+            token_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            source[i, : len(sources)] = torch.tensor(sources, dtype=torch.long)
+        num_tokens = torch.tensor([len(t) for t, _ in drafts], dtype=torch.long)
+        device = ctx.row_ids.device
+        return Draft(
+            token_ids=token_ids.to(device),
+            num_tokens=num_tokens.to(device),
+            probs=None if learned is None else learned.probs,
+            source=source.to(device),
+        )
+
+    def propose_tree(self, ctx: DraftContext, depth: int, topk: int, verify: int):
+        """Tree arms draft from the learned drafter alone (`trl_tlt.tree`)."""
+        if not hasattr(self.learned, "propose_tree"):
+            raise ValueError(f"Tree arms need a learned drafter that drafts trees; this one is {self.learned!r}.")
+        return self.learned.propose_tree(ctx, depth, topk, verify)
+
+    def accept(self, ctx: DraftContext, num_accepted_tokens: torch.Tensor) -> None:
+        if self.learned is not None:
+            self.learned.accept(ctx, num_accepted_tokens)
+        if self._chosen is None:  # this drafter did not draft the step
+            return
+        accepted: dict[str | tuple[int, int], list[int]] = {}
+        for key, n in zip(self._chosen, num_accepted_tokens.tolist(), strict=True):
+            accepted.setdefault(key, []).append(n)
+        for key, counts in accepted.items():
+            mean = sum(counts) / len(counts)
+            old = self.values.get(key)
+            self.values[key] = mean if old is None else (1 - VALUE_DECAY) * old + VALUE_DECAY * mean
+        self._chosen = None
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.learned is not None:
+            self.learned.select(rows)
