@@ -246,7 +246,8 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
         config = TLTConfig(**common, drafter_type=drafter_type, **drafter, **layout, **json.loads(args.tlt_args))
     model = AutoModelForCausalLM.from_pretrained(policy_path)
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
-    train_set = make_dataset(args.num_prompts * args.steps, seed=100 + seed)
+    # --epochs E: the run's prompts, E times over (in a new order each time)
+    train_set = make_dataset(args.num_prompts * args.steps // args.epochs, seed=100 + seed)
     trainer = trainer_cls(
         model=model, reward_funcs=accuracy_reward, args=config, train_dataset=train_set, processing_class=tokenizer
     )
@@ -281,7 +282,13 @@ def run(name: str, policy_path, seed: int, args, output_dir: str) -> dict:
         result["mean_acceptance_length"] = [h.get("tlt/mean_acceptance_length") for h in logs]
         result["speculated_fraction"] = [h.get("tlt/spec_step_fraction") for h in logs]
         # single process: the drafter steps between rollouts run inside the rollout call (part of rollout_time)
-        for key in ("tlt/drafter_eval_acceptance_length", "tlt/spot_seconds", "tlt/drafter_steps"):
+        for key in (
+            "tlt/drafter_eval_acceptance_length",
+            "tlt/spot_seconds",
+            "tlt/drafter_steps",
+            "tlt/accepted_from_history",
+            "tlt/accepted_from_siblings",
+        ):
             result[key.removeprefix("tlt/")] = [h.get(key) for h in logs]
     if probe is not None:
         result["acceptance_length_k4"] = probe.values
@@ -304,6 +311,7 @@ def main() -> None:
         help="any of grpo, tlt, tlt_padded (TRL's training layout), tlt_new (a new EAGLE-3 head: every default), "
         "tlt_warm (the warm-started head), tlt_lm (the 1-layer draft LM)",
     )
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the run's prompts (steps divisible by it)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=512)
@@ -324,6 +332,8 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="PNG of the phases of a step per trainer (median seconds)")
     parser.add_argument("--plot-steps", default=None, help="PNG of step times and probed acceptance per step")
     args = parser.parse_args()
+    if args.epochs < 1 or args.steps % args.epochs:
+        raise SystemExit(f"--epochs must be >= 1 and divide --steps ({args.steps}), got {args.epochs}.")
 
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # under torchrun: the 2-process variant
         dist.init_process_group("gloo")

@@ -69,11 +69,11 @@ def test_a_drifted_copy_is_caught(edit):
 
 
 def logged_metrics(source_root: Path) -> set[str]:
-    """Every `tlt/` metric key the library logs (an f-string's field as `{B}`)."""
+    """Every `tlt/` metric key the library logs (an f-string's field as its capitalised initial: `{bucket}` as `{B}`)."""
     keys = set()
     for path in source_root.rglob("*.py"):
         for key in re.findall(r"f?\"(tlt/[a-z0-9_{}]+)\"", path.read_text()):
-            keys.add(re.sub(r"\{\w+\}", "{B}", key))
+            keys.add(re.sub(r"\{(\w)\w*\}", lambda m: "{" + m.group(1).upper() + "}", key))
     return keys
 
 

@@ -20,7 +20,7 @@ from test_engine import (
 
 from trl_tlt.drafters import Draft
 from trl_tlt.drafters.history import PromptHistory
-from trl_tlt.drafters.hybrid import HybridDrafter
+from trl_tlt.drafters.hybrid import EXPLORE_EVERY, HybridDrafter
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.sampling import SamplingParams
 
@@ -46,9 +46,11 @@ def test_hybrid_greedy_matches_generate(tiny_model_f64, tokenizer, learned_name)
     params = SamplingParams(do_sample=False, max_new_tokens=24, eos_token_ids=(EOS,))
     for corrupt_every in (0, 5):
         drafter = HybridDrafter(
-            make_drafter(learned_name, model, tokenizer), primed_history(prompts, expected, corrupt_every)
+            make_drafter(learned_name, model, tokenizer),
+            primed_history(prompts, expected, corrupt_every),
+            learned_tokens=3,
         )
-        engine = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=3)
+        engine = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=10)
         drafted = dict.fromkeys(("learned", "history"), 0)
         for batch in (1, 5, 16):
             out = engine.generate(prompts[:batch], params)
@@ -56,7 +58,7 @@ def test_hybrid_greedy_matches_generate(tiny_model_f64, tokenizer, learned_name)
             for source in drafted:
                 drafted[source] += out.stats.num_draft_tokens_by_source[source]
         assert out.stats.num_accepted_tokens_by_source["history"] > 0
-        if not corrupt_every:  # a lookup drafted past k = 3, and was accepted
+        if not corrupt_every:  # a lookup drafted past the learned drafter's 3 tokens, and was accepted
             assert out.stats.num_accepted_tokens_per_pos[3] > 0
         assert drafted["history"] > 0 and (drafted["learned"] > 0 or learned_name == "none"), drafted
 
@@ -69,7 +71,7 @@ def mixed_case(tokenizer, params, learned_name):
         [SAMPLED_PROMPT] * 64, dataclasses.replace(params, max_new_tokens=8), generator=torch.Generator().manual_seed(5)
     )
     history = primed_history([SAMPLED_PROMPT] * 64, earlier.completion_ids)
-    return model, expected, HybridDrafter(learned, history, min_match=2, max_n=3, min_n=2)
+    return model, expected, HybridDrafter(learned, history, min_match=2, learned_tokens=1, max_n=3, min_n=2)
 
 
 PARAMS = [
@@ -88,11 +90,11 @@ PARAMS = [
     ids=["model-temp0.7-topk5", "model-temp1.3-topp0.6-rep1.3", "eagle3-temp0.7-topk5"],
 )
 def test_hybrid_sampling_reproduces_policy_distribution(tokenizer, params, learned_name, sources, monkeypatch):
-    # Token 1 comes from the prefill; tokens 2-4 from steps in which rows draft from the learned drafter (k = 1),
+    # Token 1 comes from the prefill; tokens 2-4 from steps in which rows draft from the learned drafter (1 token),
     # the history (up to 3 tokens: past k) or, where the first token is 13, the prompt's own text, verified together.
     model, expected, drafter = mixed_case(tokenizer, params, learned_name)
     prompt, num_samples = SAMPLED_PROMPT, NUM_SAMPLES
-    engine = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=1)
+    engine = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=3)
     out = engine.generate([prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234))
     stats = out.stats
     for source in sources:  # every source drafted, and was accepted, in the same steps
@@ -149,19 +151,20 @@ def test_hybrid_drafter_faults_cost_speed_not_correctness(tiny_model_f64, tokeni
 def test_hybrid_picks_the_source_that_accepts_more():
     """The running means decide: a lookup that accepts less than the learned drafter is used only at exploring
     steps; one that accepts more is used at every other step, and drafts further the more it accepts."""
-    drafter = HybridDrafter(learned=object(), max_lookup_tokens=16)
-    drafter.values = {"learned": 4.0, (2, 4): 2.0, (1, 4): 6.0}
+    drafter = HybridDrafter(learned=object())
+    weak, strong, new = ((2, 4), 6), ((1, 4), 6), ((1, 3), 6)  # (source, match length), k
+    drafter.values = {(weak, "lookup"): 2.0, (weak, "learned"): 4.0, (strong, "lookup"): 6.0, (strong, "learned"): 1.0}
     drafter._steps = 1
-    assert not drafter._use_lookup((2, 4)) and drafter._use_lookup((1, 4))
-    assert drafter._use_lookup((1, 3))  # untried: tried
-    drafter._steps = 16  # an exploring step: the other choice
-    assert drafter._use_lookup((2, 4)) and not drafter._use_lookup((1, 4))
-    assert drafter._lookup_length((1, 4)) == 14 and drafter._lookup_length((1, 2)) == 2
+    assert not drafter._use_lookup(weak) and drafter._use_lookup(strong)
+    assert drafter._use_lookup(new)  # untried: tried
+    drafter._steps = EXPLORE_EVERY  # an exploring step: the other choice
+    assert drafter._use_lookup(weak) and not drafter._use_lookup(strong)
+    assert drafter._lookup_length(strong) == 14 and drafter._lookup_length(new) == 2  # untried: 2
     lookups = drafter.lookups_only()
     assert lookups.learned is None and lookups.history is drafter.history and lookups is drafter.lookups_only()
-    lookups.values = {(1, 4): 0.5, (2, 4): 3.0}
+    lookups.values = {(strong, "lookup"): 0.5, (weak, "lookup"): 3.0}
     lookups._steps = 1  # without a learned drafter a lookup must beat drafting nothing
-    assert not lookups._use_lookup((1, 4)) and lookups._use_lookup((2, 4))
+    assert not lookups._use_lookup(strong) and lookups._use_lookup(weak)
 
 
 def test_prompt_history_is_bounded_aged_and_saved():

@@ -1,6 +1,7 @@
 """TLTGRPOTrainer is a drop-in GRPOTrainer: same constructor, same results (greedy), tlt/ metrics, clear errors."""
 
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -144,12 +145,22 @@ def test_trains_one_step_with_tlt_metrics(tiny_model_dirs, tmp_path, drafter_typ
 
 @pytest.mark.parametrize(
     "drafter_type, draft",
-    [("eagle3", "chain"), ("model", "chain"), ("ngram", "chain"), ("eagle3", "tree"), ("model", "tree")],
+    [
+        ("eagle3", "chain"),
+        ("model", "chain"),
+        ("ngram", "chain"),
+        ("eagle3", "tree"),
+        ("model", "tree"),
+        ("eagle3", "history"),
+        ("ngram", "history"),
+    ],
 )
 def test_same_completions_as_grpo_trainer_greedy(tiny_model_dirs, tmp_path, drafter_type, draft):
-    """Greedy rollouts (speculating with a drafter, chains or trees) are token-identical to GRPOTrainer's, so training
-    is identical. Shown to fail (trees) with `match = children` in `tree.verify_tree` (a child accepted whatever its
+    """Greedy rollouts (speculating with a drafter, chains or trees; with hybrid drafting, the default, over 4 steps in
+    which prompts recur, so that the prompt history drafts too) are token-identical to GRPOTrainer's, so training is
+    identical. Shown to fail (trees) with `match = children` in `tree.verify_tree` (a child accepted whatever its
     token)."""
+    steps = 4 if draft == "history" else 1
     seen = {"grpo": [], "tlt": []}
 
     def recorder(name):
@@ -174,7 +185,9 @@ def test_same_completions_as_grpo_trainer_greedy(tiny_model_dirs, tmp_path, draf
         ),
     ):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
-        args = config_cls(**config_kwargs(tmp_path / name, generation_kwargs={"do_sample": False}, **extra))
+        args = config_cls(
+            **config_kwargs(tmp_path / name, generation_kwargs={"do_sample": False}, max_steps=steps, **extra)
+        )
         trainer = trainer_cls(
             model=model,
             reward_funcs=recorder(name),
@@ -189,7 +202,9 @@ def test_same_completions_as_grpo_trainer_greedy(tiny_model_dirs, tmp_path, draf
         assert results["tlt"].tlt_last_stats.num_tree_steps > 0
     if drafter_type != "ngram":  # greedy siblings run in lockstep: the n-gram lookup may find nothing to copy
         assert results["tlt"].tlt_last_stats.num_draft_tokens > 0
-    assert seen["tlt"] == seen["grpo"] and len(seen["tlt"]) == 8
+    if draft == "history":  # a prompt's earlier completions drafted, and were accepted
+        assert max(h.get("tlt/accepted_from_history", 0.0) for h in results["tlt"].state.log_history) > 0
+    assert seen["tlt"] == seen["grpo"] and len(seen["tlt"]) == 8 * steps
     for (name, p_base), (_, p_tlt) in zip(
         results["grpo"].model.named_parameters(), results["tlt"].model.named_parameters(), strict=True
     ):
@@ -302,6 +317,8 @@ def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, 
     checkpoint = tmp_path / "checkpoint-1"
     saved = Eagle3Model.from_pretrained(checkpoint / "drafter", trainer.model).export_state_dict()
     assert torch.equal(saved["fc.weight"], trainer.tlt_drafter.model.fc.weight)
+    history = json.loads((checkpoint / "tlt_history" / "rank0.json").read_text())  # hybrid drafting's prompt history
+    assert history == trainer.tlt_hybrid.history.state_dict() and len(history["entries"]) == 2
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
     args = TLTConfig(**config_kwargs(tmp_path, max_steps=2, save_strategy="no", spot_training=False))
@@ -310,6 +327,8 @@ def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, 
     )
     with torch.no_grad():
         resumed.tlt_drafter.model.fc.weight.zero_()
+    resumed._load_from_checkpoint(str(checkpoint))
+    assert resumed.tlt_hybrid.history.state_dict() == history
     resumed.train(resume_from_checkpoint=str(checkpoint))
     for name, tensor in resumed.tlt_drafter.model.export_state_dict().items():
         assert torch.equal(tensor, saved[name]), name

@@ -90,6 +90,9 @@ class FixedSpeculation(SpeculationPolicy):
 # Draft lengths the trainer's bandit plays (up to `num_speculative_tokens`, which is always played): short ones pay at
 # large batch sizes, long ones in the tail.
 BANDIT_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
+# With hybrid drafting the bandit also plays these, past `num_speculative_tokens`: the learned drafter drafts that
+# many, lookups the rest (a wider verification, which pays where lookups match: in the tail, on a later epoch).
+LOOKUP_DRAFT_LENGTHS = (8, 12, 16)
 
 
 def batch_size_bucket(batch_size: int) -> int:

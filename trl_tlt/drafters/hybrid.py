@@ -6,20 +6,25 @@ Three sources (`DRAFT_SOURCES`):
 - *siblings*: suffix lookup over the row's own text and its GRPO siblings in this rollout (as `NgramDrafter`);
 - *history*: suffix lookup over the prompt's completions from its latest earlier rollout (`PromptHistory`).
 
-How a row picks: a lookup that matches the row's suffix (the longer match of the two; the siblings on a tie) drafts
-up to `max_lookup_tokens` tokens, which may exceed k, where lookups from that source and of that match length have accepted more tokens
-per draft than the learned drafter lately (running means over the rows that used each, kept across calls: a new
-head loses to the lookups, a warm one wins unless the match is telling; with no learned drafter, a lookup must
-accept `NO_DRAFT_VALUE` tokens per draft); at one step in `EXPLORE_EVERY` every row takes the other choice, so both means stay
-current. A lookup drafts twice the tokens its match length accepted lately, plus 2: one that pays climbs to long
-drafts within a few steps, one that does not stays cheap to verify. Otherwise the row drafts the learned chain of k tokens, and where the
-chain's last `min_match` tokens match a lookup, the lookup's continuation extends it. The learned drafter runs for
-every row (one batched forward per draft position) and keeps seeing every policy forward.
+A step's k (the speculation policy's choice) bounds every row's draft, and so the width of the one verification. The
+learned drafter drafts chains of `learned_tokens` (or k, if smaller) for every row, in one batched forward per
+position, and keeps seeing every policy forward. Then each row picks:
+
+- a lookup that matches the row's suffix (the longer of the two matches; the siblings on a tie) drafts instead of
+  the learned drafter where, on rows whose lookups matched alike (same source, match length and k), lookups have
+  lately accepted more tokens per draft than the learned drafter (running means of both on those rows, kept across
+  calls: a new head loses to the lookups, a warm one wins unless the match is telling; with no learned drafter a
+  lookup must beat `NO_DRAFT_VALUE`). It drafts at most 2 + twice the tokens such drafts accepted lately: one that pays climbs to
+  long drafts within a few steps, one that does not stays cheap to verify;
+- otherwise the row drafts the learned chain, and where k leaves room past it and the chain's last `min_match`
+  tokens match a lookup, that lookup's continuation extends it (as far as it would draft on its own).
+
+At one step in `EXPLORE_EVERY` every row takes the other choice, so that both running means stay current.
 
 Lossless: which source a row uses, and how a learned chain is extended, depends only on tokens emitted and drafts
-accepted before this step and on the learned chain's own samples (an extension is a deterministic function of them, a one-hot q), never
-on the verification's draws; each drafted token is verified against its own q (one-hot for lookups), so every
-emitted token is distributed as the policy's.
+accepted before this step and on the learned chain's own samples (an extension is a deterministic function of them:
+a one-hot q), never on the verification's draws; each drafted token is verified against its own q (one-hot for
+lookups), so every emitted token is distributed as the policy's.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from .ngram import SiblingLookup
 
 
 LEARNED, SIBLINGS, HISTORY = range(len(DRAFT_SOURCES))
-EXPLORE_EVERY = 16  # one step in 16 drafts every row from the source its running means rank second
+EXPLORE_EVERY = 32  # one step in 32 drafts every row from the source its running means rank second
 NO_DRAFT_VALUE = 1.0  # accepted tokens per draft a lookup must beat to draft without a learned drafter
 VALUE_DECAY = 0.1  # weight of a step's mean in the running means (the drafter and the policy move)
 
@@ -46,7 +51,9 @@ class HybridDrafter(Drafter):
         history: The prompt history store (None: no history source). The engine reads it; the caller adds each
             rollout's completions to it (`PromptHistory.add`).
         min_match: Shortest suffix match for a lookup to extend the learned chain.
-        max_lookup_tokens: Longest lookup draft (a lookup may draft past the step's k, up to this).
+        learned_tokens: Longest chain the learned drafter drafts (None: the step's k). A step's k bounds every
+            row's draft (so the verification's width, which the speculation policy chooses); where k exceeds this,
+            lookups draft past the learned drafter's reach and extend its chains up to k.
         max_n, min_n: Longest and shortest suffix the lookups match.
 
     Example:
@@ -59,20 +66,21 @@ class HybridDrafter(Drafter):
         learned: Drafter | None,
         history: PromptHistory | None = None,
         min_match: int = 3,
-        max_lookup_tokens: int = 16,
+        learned_tokens: int | None = None,
         max_n: int = 4,
         min_n: int = 2,
     ):
         SuffixIndex(min_n, max_n)  # checks the bounds now rather than at the first rollout
         if not min_n <= min_match <= max_n:
             raise ValueError(f"HybridDrafter needs min_n <= min_match <= max_n, got {min_n}, {min_match}, {max_n}.")
-        if max_lookup_tokens < 1:
-            raise ValueError(f"`max_lookup_tokens` must be >= 1, got {max_lookup_tokens}.")
+        if learned_tokens is not None and learned_tokens < 1:
+            raise ValueError(f"`learned_tokens` must be >= 1 or None, got {learned_tokens}.")
         self.learned, self.history = learned, history
-        self.min_match, self.max_lookup_tokens, self.max_n, self.min_n = min_match, max_lookup_tokens, max_n, min_n
-        # Accepted tokens per draft, running means: "learned", and a lookup's by (source, match length n).
-        self.values: dict[str | tuple[int, int], float] = {}
-        self._chosen: list[str | tuple[int, int]] | None = None  # what each active row drafted from at the last `propose`
+        self.min_match, self.learned_tokens, self.max_n, self.min_n = min_match, learned_tokens, max_n, min_n
+        # Accepted tokens per draft, running means over rows whose lookup matched: (key, "lookup") and
+        # (key, "learned") for each key = ((source, match length n), k). Within a key the two compare like for like.
+        self.values: dict[tuple, float] = {}
+        self._chosen: list[tuple | None] | None = None  # per active row at the last `propose`: (key, choice)
         self._steps = 0
         self._lookups_only: HybridDrafter | None = None
 
@@ -83,22 +91,22 @@ class HybridDrafter(Drafter):
             return self
         if self._lookups_only is None:
             self._lookups_only = HybridDrafter(
-                None, self.history, self.min_match, self.max_lookup_tokens, self.max_n, self.min_n
+                None, self.history, self.min_match, self.learned_tokens, self.max_n, self.min_n
             )
         return self._lookups_only
 
-    def _lookup_length(self, key: tuple[int, int]) -> int:
-        """How far a lookup (source, match length n) drafts: twice the tokens such drafts accepted lately, plus 2 (2 while
-        untried), up to `max_lookup_tokens`: a lookup that pays climbs to long drafts, one that does not stays cheap."""
-        return min(self.max_lookup_tokens, 2 + int(2 * self.values.get(key, 0.0)))
+    def _lookup_length(self, key: tuple) -> int:
+        """How far a lookup drafts at most: twice the tokens its key's lookups accepted lately, plus 2 (2 while
+        untried): a lookup that pays climbs to long drafts, one that does not stays cheap."""
+        return 2 + int(2 * self.values.get((key, "lookup"), 0.0))
 
-    def _use_lookup(self, key: tuple[int, int]) -> bool:
-        """Whether a row whose lookup (source, match length n) matched drafts from it rather than from the learned
-        drafter."""
-        lookup = self.values.get(key)
+    def _use_lookup(self, key: tuple) -> bool:
+        """Whether a row whose lookup matched (key = ((source, match length n), k)) drafts from it rather than from
+        the learned drafter."""
+        lookup = self.values.get((key, "lookup"))
         # Without a learned drafter a lookup competes with drafting nothing (worth `NO_DRAFT_VALUE`: its draft
         # lengthens the verification).
-        learned = self.values.get("learned") if self.learned is not None else NO_DRAFT_VALUE
+        learned = self.values.get((key, "learned")) if self.learned is not None else NO_DRAFT_VALUE
         if lookup is None or learned is None:  # untried: try it
             return lookup is None
         explore = self._steps % EXPLORE_EVERY == 0
@@ -139,30 +147,32 @@ class HybridDrafter(Drafter):
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         rows = ctx.row_ids.tolist()
-        learned = self.learned.propose(ctx, k) if self.learned is not None else None
+        learned_k = min(k, self.learned_tokens or k)
+        learned = self.learned.propose(ctx, learned_k) if self.learned is not None else None
         if learned is not None:
             learned_ids, learned_n = learned.token_ids.tolist(), learned.num_tokens.tolist()
         self._siblings.update(ctx)
-        length = max(k, self.max_lookup_tokens)
         drafts: list[tuple[list[int], list[int]]] = []  # per row: tokens, sources
         self._chosen = []
         for i, row in enumerate(rows):
             seq = ctx.sequences[row]
-            n, cont, source = self._lookup(ctx, row, seq, length)
-            if cont and self._use_lookup((source, n)):
-                cont = cont[: self._lookup_length((source, n))]
+            n, cont, source = self._lookup(ctx, row, seq, k)
+            key = ((source, n), k)
+            if cont and self._use_lookup(key):
+                cont = cont[: self._lookup_length(key)]
                 drafts.append((cont, [source] * len(cont)))
-                self._chosen.append((source, n))
+                self._chosen.append((key, "lookup"))
                 continue
-            self._chosen.append("learned")
+            self._chosen.append((key, "learned") if cont else None)
             if learned is None:
                 drafts.append(([], []))
                 continue
             tokens = learned_ids[i][: learned_n[i]]
             sources = [LEARNED] * len(tokens)
-            if len(tokens) == k and length > k:
-                n, cont, source = self._lookup(ctx, row, seq + tokens, length - k)
+            if len(tokens) == learned_k < k:
+                n, cont, source = self._lookup(ctx, row, seq + tokens, k - learned_k)
                 if n >= self.min_match:
+                    cont = cont[: self._lookup_length(((source, n), k))]
                     tokens, sources = tokens + cont, sources + [source] * len(cont)
             drafts.append((tokens, sources))
         self._steps += 1
@@ -192,9 +202,10 @@ class HybridDrafter(Drafter):
             self.learned.accept(ctx, num_accepted_tokens)
         if self._chosen is None:  # this drafter did not draft the step
             return
-        accepted: dict[str | tuple[int, int], list[int]] = {}
+        accepted: dict[tuple, list[int]] = {}
         for key, n in zip(self._chosen, num_accepted_tokens.tolist(), strict=True):
-            accepted.setdefault(key, []).append(n)
+            if key is not None:
+                accepted.setdefault(key, []).append(n)
         for key, counts in accepted.items():
             mean = sum(counts) / len(counts)
             old = self.values.get(key)

@@ -15,7 +15,15 @@ from ..drafters.history import PromptHistory
 from ..drafters.hybrid import HybridDrafter
 from ..drafters.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, DraftVocabulary
 from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
-from ..speculation import BANDIT_DRAFT_LENGTHS, Arm, BanditSpeculation, FixedSpeculation, SpeculationPolicy, tree_arm
+from ..speculation import (
+    BANDIT_DRAFT_LENGTHS,
+    LOOKUP_DRAFT_LENGTHS,
+    Arm,
+    BanditSpeculation,
+    FixedSpeculation,
+    SpeculationPolicy,
+    tree_arm,
+)
 from ..spot import DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
 
 
@@ -78,7 +86,7 @@ class DrafterSetup:
             return None
         learned = None if isinstance(self.tlt_drafter, NgramDrafter) else self.tlt_drafter
         history = PromptHistory(self.args.history_max_tokens) if self.args.history_max_tokens else None
-        return HybridDrafter(learned, history)
+        return HybridDrafter(learned, history, learned_tokens=self.args.num_speculative_tokens)
 
     def _load_drafter_lm(self, path: str) -> PreTrainedModel:
         """The drafter LM (safetensors weights only, no remote code), refused by name unless it reads the policy's
@@ -176,6 +184,8 @@ class DrafterSetup:
         if self.args.speculative_selector == "fixed":
             return FixedSpeculation(k_max, "default")
         arms = [Arm("default", k) for k in BANDIT_DRAFT_LENGTHS if k <= k_max] + [Arm("default", k_max)]
+        if self.tlt_hybrid is not None:  # lookups draft past the learned drafter's k_max
+            arms += [Arm("default", k) for k in LOOKUP_DRAFT_LENGTHS if k > k_max]
         if self.args.speculative_trees and hasattr(self.tlt_drafter, "propose_tree"):
             arms += [tree_arm("default", k_max, topk, topk * k_max) for topk in (2, 4)]
         cost_model = self._modelled_step_cost() if self.args.selector_deterministic else None
@@ -191,8 +201,10 @@ class DrafterSetup:
         policy = self.accelerator.unwrap_model(self.model)
         ratio = 0.0 if drafter is None else _num_parameters(drafter) / _num_parameters(policy)
 
+        k_max = self.args.num_speculative_tokens
+
         def cost(arm: Arm) -> float:
-            return 1.0 + arm.k * ratio
+            return 1.0 + min(arm.k, k_max) * ratio  # lookups past k_max cost no drafter forward
 
         return cost
 
