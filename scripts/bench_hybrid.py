@@ -81,7 +81,7 @@ def rollout_part(shapes: list[str], sets: list[int], max_new_tokens: int) -> dic
             "engine_no_spec": lambda: SpeculativeEngine(model),
             "ngram": lambda: SpeculativeEngine(model, NgramDrafter(), num_speculative_tokens=4),
             "eagle3_k6": lambda: SpeculativeEngine(model, Eagle3Drafter(head), num_speculative_tokens=K),
-            "eagle3": lambda: SpeculativeEngine(model, head_alone, speculation=bandits["eagle3"]),
+            "eagle3": functools.partial(SpeculativeEngine, model, head_alone, speculation=bandits["eagle3"]),
             **{
                 name: functools.partial(SpeculativeEngine, model, d, speculation=bandits[name])
                 for name, d in hybrids.items()
@@ -123,7 +123,7 @@ def rollout_part(shapes: list[str], sets: list[int], max_new_tokens: int) -> dic
             for other in ("eagle3", "eagle3_k6", "ngram"):
                 key = f"{arm}_over_{other}_bs{batch}"
                 out[key] = ratio(arm, other, range(num_sets))
-                out[f"{key}_95ci"] = bootstrap_interval(lambda picks, a=arm, o=other: ratio(a, o, picks), num_sets)
+                out[f"{key}_95ci"] = bootstrap_interval(functools.partial(ratio, arm, other), num_sets)
         out["per_batch_size"][shape] = row
         print(f"batch {batch}: " + ", ".join(f"{a} {row['spec_on_off'][a]:.2f}x" for a in ARMS), flush=True)
     return out
@@ -180,9 +180,7 @@ def epoch_ratio_interval(times: list[float], per_epoch: int, draws: int = 2000) 
     """95% bootstrap interval of epoch 1 / epoch 3 total rollout time, resampling each epoch's steps."""
     rng = random.Random(0)
     first, third = times[:per_epoch], times[2 * per_epoch : 3 * per_epoch]
-    values = sorted(
-        sum(rng.choices(first, k=per_epoch)) / sum(rng.choices(third, k=per_epoch)) for _ in range(draws)
-    )
+    values = sorted(sum(rng.choices(first, k=per_epoch)) / sum(rng.choices(third, k=per_epoch)) for _ in range(draws))
     return values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
 
 
@@ -199,7 +197,9 @@ def epochs_part(steps: int, seed: int) -> dict:
             share = [x or 0.0 for x in r["accepted_from_history"]]
             out["runs"][arm] = {
                 "rollout_seconds_per_epoch": [sum(times[e * per_epoch : (e + 1) * per_epoch]) for e in range(3)],
-                "history_share_per_epoch": [statistics.mean(share[e * per_epoch : (e + 1) * per_epoch]) for e in range(3)],
+                "history_share_per_epoch": [
+                    statistics.mean(share[e * per_epoch : (e + 1) * per_epoch]) for e in range(3)
+                ],
                 "mean_acceptance_length_per_epoch": [
                     statistics.mean(x or 1.0 for x in r["mean_acceptance_length"][e * per_epoch : (e + 1) * per_epoch])
                     for e in range(3)

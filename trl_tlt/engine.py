@@ -46,8 +46,8 @@ class GenerationStats:
     `mean_acceptance_length` = 1 + num_accepted_tokens / num_drafts: tokens emitted per speculative row-step,
     bonus included. For a tree step, `num_draft_tokens` counts the nodes verified and `num_accepted_tokens` the
     accepted path's length. `num_accepted_tokens_by_source[s]` / `num_draft_tokens_by_source[s]`: accepted and
-    drafted tokens that came from source s (`DRAFT_SOURCES`). `active_batch_sizes[i]`, `num_speculative_tokens[i]`, `drafter_names[i]`,
-    `step_emitted_tokens[i]` and `step_seconds[i]` describe decode step i.
+    drafted tokens that came from source s (`DRAFT_SOURCES`). `active_batch_sizes[i]`, `num_speculative_tokens[i]`,
+    `drafter_names[i]`, `step_emitted_tokens[i]` and `step_seconds[i]` describe decode step i.
     """
 
     num_prompts: int = 0

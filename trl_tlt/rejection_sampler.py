@@ -128,7 +128,9 @@ def verify_reference(
             at = num_accepted.clamp(max=max(k - 1, 0))
             q_next = torch.zeros_like(next_probs).scatter_(-1, drafts.gather(1, at[:, None]), 1.0)
             if draft_probs is not None:
-                from_q = draft_probs.gather(1, at.clamp(max=draft_probs.size(1) - 1)[:, None, None].expand(batch, 1, vocab))
+                from_q = draft_probs.gather(
+                    1, at.clamp(max=draft_probs.size(1) - 1)[:, None, None].expand(batch, 1, vocab)
+                )
                 deterministic = at >= draft_probs.size(1)
                 if one_hot is not None:
                     deterministic |= one_hot.gather(1, at[:, None]).squeeze(1)

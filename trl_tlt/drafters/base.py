@@ -20,6 +20,7 @@ from ..sampling import SamplingParams
 # in this rollout, or the prompt's earlier rollouts (`PromptHistory`). The last two are deterministic (q one-hot).
 DRAFT_SOURCES = ("learned", "siblings", "history")
 
+
 @dataclass
 class DraftContext:
     """The engine's view of the active batch, shared with the drafter.

@@ -11,11 +11,11 @@ learned drafter drafts chains of `learned_tokens` (or k, if smaller) for every r
 position, and keeps seeing every policy forward. Then each row picks:
 
 - a lookup that matches the row's suffix (the longer of the two matches; the siblings on a tie) drafts instead of
-  the learned drafter where, on rows whose lookups matched alike (same source, match length and k), lookups have
+  the learned drafter where, on rows whose lookups matched alike (same source and match length), lookups have
   lately accepted more tokens per draft than the learned drafter (running means of both on those rows, kept across
   calls: a new head loses to the lookups, a warm one wins unless the match is telling; with no learned drafter a
-  lookup must beat `NO_DRAFT_VALUE`). It drafts at most 2 + twice the tokens such drafts accepted lately: one that pays climbs to
-  long drafts within a few steps, one that does not stays cheap to verify;
+  lookup must beat `NO_DRAFT_VALUE`). It drafts at most 2 + twice the tokens such drafts accepted lately: one that
+  pays climbs to long drafts within a few steps, one that does not stays cheap to verify;
 - otherwise the row drafts the learned chain, and where k leaves room past it and the chain's last `min_match`
   tokens match a lookup, that lookup's continuation extends it (as far as it would draft on its own).
 
@@ -78,7 +78,7 @@ class HybridDrafter(Drafter):
         self.learned, self.history = learned, history
         self.min_match, self.learned_tokens, self.max_n, self.min_n = min_match, learned_tokens, max_n, min_n
         # Accepted tokens per draft, running means over rows whose lookup matched: (key, "lookup") and
-        # (key, "learned") for each key = ((source, match length n), k). Within a key the two compare like for like.
+        # (key, "learned") for each key = (source, match length n). Within a key the two compare like for like.
         self.values: dict[tuple, float] = {}
         self._chosen: list[tuple | None] | None = None  # per active row at the last `propose`: (key, choice)
         self._steps = 0
@@ -101,8 +101,8 @@ class HybridDrafter(Drafter):
         return 2 + int(2 * self.values.get((key, "lookup"), 0.0))
 
     def _use_lookup(self, key: tuple) -> bool:
-        """Whether a row whose lookup matched (key = ((source, match length n), k)) drafts from it rather than from
-        the learned drafter."""
+        """Whether a row whose lookup matched (key = (source, match length n)) drafts from it rather than from the
+        learned drafter."""
         lookup = self.values.get((key, "lookup"))
         # Without a learned drafter a lookup competes with drafting nothing (worth `NO_DRAFT_VALUE`: its draft
         # lengthens the verification).
@@ -157,7 +157,7 @@ class HybridDrafter(Drafter):
         for i, row in enumerate(rows):
             seq = ctx.sequences[row]
             n, cont, source = self._lookup(ctx, row, seq, k)
-            key = ((source, n), k)
+            key = (source, n)
             if cont and self._use_lookup(key):
                 cont = cont[: self._lookup_length(key)]
                 drafts.append((cont, [source] * len(cont)))
@@ -172,23 +172,17 @@ class HybridDrafter(Drafter):
             if len(tokens) == learned_k < k:
                 n, cont, source = self._lookup(ctx, row, seq + tokens, k - learned_k)
                 if n >= self.min_match:
-                    cont = cont[: self._lookup_length(((source, n), k))]
+                    cont = cont[: self._lookup_length((source, n))]
                     tokens, sources = tokens + cont, sources + [source] * len(cont)
             drafts.append((tokens, sources))
         self._steps += 1
         width = max([k] + [len(t) for t, _ in drafts])
-        token_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        source = torch.full((len(rows), width), SIBLINGS, dtype=torch.long)
-        for i, (tokens, sources) in enumerate(drafts):
-            token_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            source[i, : len(sources)] = torch.tensor(sources, dtype=torch.long)
-        num_tokens = torch.tensor([len(t) for t, _ in drafts], dtype=torch.long)
         device = ctx.row_ids.device
-        return Draft(
-            token_ids=token_ids.to(device),
-            num_tokens=num_tokens.to(device),
+        return Draft(  # one host-to-device copy per tensor: rows padded in Python
+            token_ids=torch.tensor([t + [0] * (width - len(t)) for t, _ in drafts], dtype=torch.long, device=device),
+            num_tokens=torch.tensor([len(t) for t, _ in drafts], dtype=torch.long, device=device),
             probs=None if learned is None else learned.probs,
-            source=source.to(device),
+            source=torch.tensor([s + [SIBLINGS] * (width - len(s)) for _, s in drafts], dtype=torch.long, device=device),
         )
 
     def propose_tree(self, ctx: DraftContext, depth: int, topk: int, verify: int):

@@ -11,10 +11,10 @@ from transformers.utils import logging
 
 from ..drafter_training import DistillConfig
 from ..drafters import Drafter, ModelDrafter, NgramDrafter
-from ..drafters.history import PromptHistory
-from ..drafters.hybrid import HybridDrafter
 from ..drafters.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, DraftVocabulary
 from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
+from ..drafters.history import PromptHistory
+from ..drafters.hybrid import HybridDrafter
 from ..speculation import (
     BANDIT_DRAFT_LENGTHS,
     LOOKUP_DRAFT_LENGTHS,
