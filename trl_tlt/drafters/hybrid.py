@@ -182,7 +182,9 @@ class HybridDrafter(Drafter):
             token_ids=torch.tensor([t + [0] * (width - len(t)) for t, _ in drafts], dtype=torch.long, device=device),
             num_tokens=torch.tensor([len(t) for t, _ in drafts], dtype=torch.long, device=device),
             probs=None if learned is None else learned.probs,
-            source=torch.tensor([s + [SIBLINGS] * (width - len(s)) for _, s in drafts], dtype=torch.long, device=device),
+            source=torch.tensor(
+                [s + [SIBLINGS] * (width - len(s)) for _, s in drafts], dtype=torch.long, device=device
+            ),
         )
 
     def propose_tree(self, ctx: DraftContext, depth: int, topk: int, verify: int):
