@@ -75,7 +75,22 @@ def mixed_case(tokenizer, params, learned_name):
         generator=torch.Generator().manual_seed(5),
     )
     history = primed_history([SAMPLED_PROMPT] * 64, earlier.completion_ids)
-    return model, expected, HybridDrafter(learned, history, min_match=2, learned_tokens=1, max_n=3, min_n=2)
+    drafter = HybridDrafter(learned, history, min_match=2, learned_tokens=1, max_n=3, min_n=2)
+    return model, expected, favouring_lookups(drafter)
+
+
+def favouring_lookups(drafter):
+    """The drafter with running means that send every matched row to its lookup (3 tokens), the others to the
+    learned drafter: every source drafts in the first step."""
+    drafter.values = {
+        ((source, n, k), choice): value
+        for source in (1, 2)
+        for n in (2, 3)
+        for k in (1, 2, 3)
+        for choice, value in (("lookup", 1.0), ("learned", 0.0))
+    }
+    drafter._steps = 1
+    return drafter
 
 
 PARAMS = [
@@ -119,7 +134,7 @@ def test_hybrid_sampling_reproduces_policy_distribution(tokenizer, params, learn
         return Draft(draft.token_ids, draft.num_tokens, probs, torch.zeros_like(draft.source))
 
     monkeypatch.setattr(drafter, "propose", lookups_misverified)
-    drafter.values.clear()  # as new: untried lookups are tried
+    favouring_lookups(drafter)
     bad = engine.generate([prompt] * num_samples, params, generator=torch.Generator().manual_seed(1234))
     assert chi_square_pvalue([tuple(c) for c in bad.completion_ids], expected) < 1e-6
 
@@ -153,22 +168,39 @@ def test_hybrid_drafter_faults_cost_speed_not_correctness(tiny_model_f64, tokeni
 
 
 def test_hybrid_picks_the_source_that_accepts_more():
-    """The running means decide: a lookup that accepts less than the learned drafter is used only at exploring
-    steps; one that accepts more is used at every other step, and drafts further the more it accepts."""
+    """The running means decide, like for like: a lookup that accepts less than the learned drafter on the same rows
+    is not used, one that accepts more is, except at exploring steps (where the learned drafter is scored again)."""
     drafter = HybridDrafter(learned=object())
-    weak, strong, new = (2, 4), (1, 4), (1, 3)  # (source, match length)
+    weak, strong, new = (2, 4, 6), (1, 4, 6), (1, 3, 6)  # (source, match length, k)
     drafter.values = {(weak, "lookup"): 2.0, (weak, "learned"): 4.0, (strong, "lookup"): 6.0, (strong, "learned"): 1.0}
     drafter._steps = 1
     assert not drafter._use_lookup(weak) and drafter._use_lookup(strong)
-    assert drafter._use_lookup(new)  # untried: tried
-    drafter._steps = EXPLORE_EVERY  # an exploring step: the other choice
-    assert drafter._use_lookup(weak) and not drafter._use_lookup(strong)
-    assert drafter._lookup_length(strong) == 14 and drafter._lookup_length(new) == 2  # untried: 2
+    assert not drafter._use_lookup(new)  # unscored: the learned drafter drafts, the lookup is scored in its shadow
+    drafter._steps = EXPLORE_EVERY  # an exploring step: the learned drafter is scored where the lookup wins
+    assert not drafter._use_lookup(weak) and not drafter._use_lookup(strong)
+    assert drafter._lookup_length(strong) == 14 and drafter._lookup_length(new) == 2  # unscored: 2
     lookups = drafter.lookups_only()
     assert lookups.learned is None and lookups.history is drafter.history and lookups is drafter.lookups_only()
     lookups.values = {(strong, "lookup"): 0.5, (weak, "lookup"): 3.0}
-    lookups._steps = 1  # without a learned drafter a lookup must beat drafting nothing
-    assert not lookups._use_lookup(strong) and lookups._use_lookup(weak)
+    lookups._steps = 1  # without a learned drafter a lookup must beat drafting nothing; an untried one is tried
+    assert not lookups._use_lookup(strong) and lookups._use_lookup(weak) and lookups._use_lookup(new)
+    lookups._steps = EXPLORE_EVERY
+    assert lookups._use_lookup(strong) and not lookups._use_lookup(weak)
+
+
+def test_lookups_are_scored_in_the_learned_drafters_shadow(tiny_model_f64, tokenizer):
+    """Where the learned drafter drafts, each matched lookup is scored against the tokens the row emitted: a history
+    holding the greedy completions scores high and takes over from a random drafter (greedy, so exactly)."""
+    model = tiny_model_f64
+    prompts = random_prompts(4, model.config.vocab_size, seed=2)
+    expected = hf_greedy(model, prompts, max_new_tokens=24)
+    drafter = HybridDrafter(make_drafter("model", model, tokenizer), primed_history(prompts, expected))
+    params = SamplingParams(do_sample=False, max_new_tokens=24, eos_token_ids=(EOS,))
+    out = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=4).generate(prompts, params)
+    assert out.completion_ids == expected
+    history = {key: v for key, v in drafter.values.items() if key[0][0] == 2}  # source 2: the history
+    assert any(choice == "lookup" and v > 1.0 for (_, choice), v in history.items()), drafter.values
+    assert out.stats.num_accepted_tokens_by_source["history"] > out.stats.num_accepted_tokens_by_source["learned"]
 
 
 def test_prompt_history_is_bounded_aged_and_saved():

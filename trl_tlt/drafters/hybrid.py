@@ -11,15 +11,20 @@ learned drafter drafts chains of `learned_tokens` (or k, if smaller) for every r
 position, and keeps seeing every policy forward. Then each row picks:
 
 - a lookup that matches the row's suffix (the longer of the two matches; the siblings on a tie) drafts instead of
-  the learned drafter where, on rows whose lookups matched alike (same source and match length), lookups have
-  lately accepted more tokens per draft than the learned drafter (running means of both on those rows, kept across
-  calls: a new head loses to the lookups, a warm one wins unless the match is telling; with no learned drafter a
-  lookup must beat `NO_DRAFT_VALUE`). It drafts at most 2 + twice the tokens such drafts accepted lately: one that
-  pays climbs to long drafts within a few steps, one that does not stays cheap to verify;
-- otherwise the row drafts the learned chain, and where k leaves room past it and the chain's last `min_match`
-  tokens match a lookup, that lookup's continuation extends it (as far as it would draft on its own).
-
-At one step in `EXPLORE_EVERY` every row takes the other choice, so that both running means stay current.
+  the learned drafter where, on rows whose lookups matched alike (same source and match length, steps of the same
+  k), lookups have
+  lately accepted more tokens per draft than the learned drafter: running means of both over those rows, kept
+  across calls. Where the learned drafter drafts, the lookup is scored in its shadow, for free: its draft against
+  the tokens the row emitted (these are the policy's samples, so the leading matches are distributed as the
+  tokens a one-hot draft would have had accepted, cut at the emitted count: a low estimate, which favours the
+  learned drafter). Where the lookup drafts, the learned drafter is scored again at one step in `EXPLORE_EVERY`.
+  A new head thus loses to the lookups within steps, a warm one keeps every row where a match says little.
+  A lookup drafts at most 2 + twice the tokens such drafts accepted lately: one that pays climbs to long drafts,
+  one that does not stays cheap to verify. With no learned drafter a lookup drafts where it has accepted more than
+  `NO_DRAFT_VALUE` tokens per draft (tried while untried, and at one step in `EXPLORE_EVERY` where it has not);
+- otherwise the row drafts the learned chain, and where k leaves room past it, the chain's last `min_match` tokens
+  match a lookup and such lookups accept more than `NO_DRAFT_VALUE` tokens per draft, that lookup's continuation
+  extends it (as far as it would draft on its own).
 
 Lossless: which source a row uses, and how a learned chain is extended, depends only on tokens emitted and drafts
 accepted before this step and on the learned chain's own samples (an extension is a deterministic function of them:
@@ -38,8 +43,8 @@ from .ngram import SiblingLookup
 
 
 LEARNED, SIBLINGS, HISTORY = range(len(DRAFT_SOURCES))
-EXPLORE_EVERY = 32  # one step in 32 drafts every row from the source its running means rank second
-NO_DRAFT_VALUE = 1.0  # accepted tokens per draft a lookup must beat to draft without a learned drafter
+EXPLORE_EVERY = 32  # one step in 32 rescores what the running means rank second (see the module docstring)
+NO_DRAFT_VALUE = 1.0  # accepted tokens per draft a lookup must beat to draft without a learned drafter, or past it
 VALUE_DECAY = 0.1  # weight of a step's mean in the running means (the drafter and the policy move)
 
 
@@ -78,9 +83,12 @@ class HybridDrafter(Drafter):
         self.learned, self.history = learned, history
         self.min_match, self.learned_tokens, self.max_n, self.min_n = min_match, learned_tokens, max_n, min_n
         # Accepted tokens per draft, running means over rows whose lookup matched: (key, "lookup") and
-        # (key, "learned") for each key = (source, match length n). Within a key the two compare like for like.
+        # (key, "learned") for each key = (source, match length n, the step's k). Within a key the two compare like
+        # for like.
         self.values: dict[tuple, float] = {}
-        self._chosen: list[tuple | None] | None = None  # per active row at the last `propose`: (key, choice)
+        # Per active row at the last `propose`: (key, choice, the lookup's draft where the learned one was verified
+        # instead, the row's length), or None for a row no lookup matched.
+        self._chosen: list[tuple | None] | None = None
         self._steps = 0
         self._lookups_only: HybridDrafter | None = None
 
@@ -101,16 +109,16 @@ class HybridDrafter(Drafter):
         return 2 + int(2 * self.values.get((key, "lookup"), 0.0))
 
     def _use_lookup(self, key: tuple) -> bool:
-        """Whether a row whose lookup matched (key = (source, match length n)) drafts from it rather than from the
-        learned drafter."""
+        """Whether a row whose lookup matched (key = (source, match length n, k)) drafts from it rather than from
+        the learned drafter."""
         lookup = self.values.get((key, "lookup"))
-        # Without a learned drafter a lookup competes with drafting nothing (worth `NO_DRAFT_VALUE`: its draft
-        # lengthens the verification).
-        learned = self.values.get((key, "learned")) if self.learned is not None else NO_DRAFT_VALUE
-        if lookup is None or learned is None:  # untried: try it
-            return lookup is None
         explore = self._steps % EXPLORE_EVERY == 0
-        return (lookup > learned) != explore
+        if self.learned is None:  # a lookup competes with drafting nothing (its draft widens the verification)
+            return lookup is None or (lookup > NO_DRAFT_VALUE) != explore
+        learned = self.values.get((key, "learned"))
+        if lookup is None or learned is None:  # the learned drafter drafts; the lookup is scored in its shadow
+            return False
+        return lookup > learned and not explore
 
     @property
     def needs_hidden_states(self) -> bool:
@@ -157,13 +165,13 @@ class HybridDrafter(Drafter):
         for i, row in enumerate(rows):
             seq = ctx.sequences[row]
             n, cont, source = self._lookup(ctx, row, seq, k)
-            key = (source, n)
+            key = (source, n, k)
+            cont = cont[: self._lookup_length(key)]
             if cont and self._use_lookup(key):
-                cont = cont[: self._lookup_length(key)]
                 drafts.append((cont, [source] * len(cont)))
-                self._chosen.append((key, "lookup"))
+                self._chosen.append((key, "lookup", None, len(seq)))
                 continue
-            self._chosen.append((key, "learned") if cont else None)
+            self._chosen.append((key, "learned", cont, len(seq)) if cont else None)
             if learned is None:
                 drafts.append(([], []))
                 continue
@@ -171,8 +179,8 @@ class HybridDrafter(Drafter):
             sources = [LEARNED] * len(tokens)
             if len(tokens) == learned_k < k:
                 n, cont, source = self._lookup(ctx, row, seq + tokens, k - learned_k)
-                if n >= self.min_match:
-                    cont = cont[: self._lookup_length((source, n))]
+                if n >= self.min_match and self.values.get(((source, n, k), "lookup"), 0.0) > NO_DRAFT_VALUE:
+                    cont = cont[: self._lookup_length((source, n, k))]
                     tokens, sources = tokens + cont, sources + [source] * len(cont)
             drafts.append((tokens, sources))
         self._steps += 1
@@ -199,9 +207,18 @@ class HybridDrafter(Drafter):
         if self._chosen is None:  # this drafter did not draft the step
             return
         accepted: dict[tuple, list[int]] = {}
-        for key, n in zip(self._chosen, num_accepted_tokens.tolist(), strict=True):
-            if key is not None:
-                accepted.setdefault(key, []).append(n)
+        rows = ctx.row_ids.tolist()
+        for row, chosen, n in zip(rows, self._chosen, num_accepted_tokens.tolist(), strict=True):
+            if chosen is None:
+                continue
+            key, choice, shadow, length = chosen
+            accepted.setdefault((key, choice), []).append(n)
+            if shadow is not None:  # the lookup's draft against the tokens the row emitted instead
+                emitted = ctx.sequences[row][length:]
+                matched = next(
+                    (j for j, (a, b) in enumerate(zip(shadow, emitted)) if a != b), min(len(shadow), len(emitted))
+                )
+                accepted.setdefault((key, "lookup"), []).append(matched)
         for key, counts in accepted.items():
             mean = sum(counts) / len(counts)
             old = self.values.get(key)
