@@ -11,7 +11,7 @@ Three parts, each in one process on the embedded workload (temperature 1, 512 to
   totalled over the sets) with 95% bootstrap intervals over the prompt sets: `hybrid_over_eagle3_bs8` = hybrid /
   head alone (same bandit) = the ratio of their spec-on/off speed-ups, and so on.
 - `cold`: 30 steps of 8 x 8 from a new head (no warm start): GRPOTrainer, TLTGRPOTrainer with the head alone
-  (`hybrid_drafting=False`) and with the hybrid (the default). `hybrid_cold_step_ratio`: GRPOTrainer's median step
+  and with the hybrid (`hybrid_drafting=True`). `hybrid_cold_step_ratio`: GRPOTrainer's median step
   over the hybrid's, steps 1-10; `hybrid_over_head_steps_10_30`: the head alone's median step over the hybrid's.
 - `epochs`: 24 steps of 8 x 8 over 64 prompts (3 epochs), from a new head, the hybrid with its history and without
   (`history_max_tokens=0`, the control): rollout seconds per epoch and the history's share of accepted tokens.
@@ -150,7 +150,7 @@ def cold_part(steps: int, seed: int) -> dict:
     arms = {
         "grpo": ("grpo", "{}"),
         "head_alone": ("tlt_new", '{"hybrid_drafting": false}'),
-        "hybrid": ("tlt_new", "{}"),
+        "hybrid": ("tlt_new", '{"hybrid_drafting": true}'),
     }
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,7 +187,10 @@ def epoch_ratio_interval(times: list[float], per_epoch: int, draws: int = 2000) 
 def epochs_part(steps: int, seed: int) -> dict:
     policy_path = build_policy()
     per_epoch = steps // 3
-    arms = {"hybrid": "{}", "hybrid_no_history": '{"history_max_tokens": 0}'}
+    arms = {
+        "hybrid": '{"hybrid_drafting": true}',
+        "hybrid_no_history": '{"hybrid_drafting": true, "history_max_tokens": 0}',
+    }
     out = {"seed": seed, "steps": steps, "prompts": 8 * per_epoch, "steps_per_epoch": per_epoch, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for arm, tlt_args in arms.items():

@@ -283,6 +283,7 @@ INVALID_CONFIGS = [
     ({"spot_time_budget": -0.1}, "spot_time_budget"),
     ({"drafter_ttt_length": 0}, "drafter_ttt_length"),
     ({"draft_vocab_size": 0}, "draft_vocab_size"),
+    ({"history_max_tokens": -1}, "history_max_tokens"),
 ]
 
 
@@ -299,6 +300,7 @@ def test_every_tlt_field_is_validated():
         "spot_training",  # a bool or None
         "selector_deterministic",  # a bool
         "speculative_trees",  # a bool; no tree arms where none can be drafted (n-gram, vLLM), as documented
+        "hybrid_drafting",  # a bool; nothing to join without trl-tlt's engine and a drafter, as documented
     }
     tlt_fields = {f.name for f in dataclasses.fields(TLTConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
     covered = {name for fields, _ in INVALID_CONFIGS for name in fields}

@@ -156,11 +156,11 @@ def test_trains_one_step_with_tlt_metrics(tiny_model_dirs, tmp_path, drafter_typ
     ],
 )
 def test_same_completions_as_grpo_trainer_greedy(tiny_model_dirs, tmp_path, drafter_type, draft):
-    """Greedy rollouts (speculating with a drafter, chains or trees; with hybrid drafting, the default, over 4 steps in
-    which prompts recur, so that the prompt history drafts too) are token-identical to GRPOTrainer's, so training is
-    identical. Shown to fail (trees) with `match = children` in `tree.verify_tree` (a child accepted whatever its
+    """Greedy rollouts (speculating with a drafter, chains or trees; with hybrid drafting over 4 steps in which prompts
+    recur, so that the prompt history drafts too) are token-identical to GRPOTrainer's, so training is identical. Shown to fail (trees) with `match = children` in `tree.verify_tree` (a child accepted whatever its
     token)."""
     steps = 4 if draft == "history" else 1
+    hybrid = {"hybrid_drafting": True} if draft == "history" else {}
     seen = {"grpo": [], "tlt": []}
 
     def recorder(name):
@@ -181,6 +181,7 @@ def test_same_completions_as_grpo_trainer_greedy(tiny_model_dirs, tmp_path, draf
                 **drafter_args(drafter_type, tiny_model_dirs, tmp_path),
                 speculative_selector="fixed",
                 num_speculative_tokens=3,
+                **hybrid,
             ),
         ),
     ):
@@ -313,15 +314,18 @@ def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, 
         save_strategy="steps",
         save_steps=1,
         spot_training=False,
+        hybrid_drafting=True,
     )
     checkpoint = tmp_path / "checkpoint-1"
     saved = Eagle3Model.from_pretrained(checkpoint / "drafter", trainer.model).export_state_dict()
     assert torch.equal(saved["fc.weight"], trainer.tlt_drafter.model.fc.weight)
     history = json.loads((checkpoint / "tlt_history" / "rank0.json").read_text())  # hybrid drafting's prompt history
-    assert history == trainer.tlt_hybrid.history.state_dict() and len(history["entries"]) == 2
+    assert history == trainer.tlt_hybrid.history.state_dict() and history["entries"]
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
-    args = TLTConfig(**config_kwargs(tmp_path, max_steps=2, save_strategy="no", spot_training=False))
+    args = TLTConfig(
+        **config_kwargs(tmp_path, max_steps=2, save_strategy="no", spot_training=False, hybrid_drafting=True)
+    )
     resumed = TLTGRPOTrainer(
         model=model, reward_funcs=reward_len, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2})
     )
@@ -454,8 +458,7 @@ def test_drop_in_script_runs_unchanged(tiny_model_dirs, tmp_path, case):
 
 def test_policy_as_its_own_drafter_accepts_everything(tiny_model_dirs, tmp_path):
     """drafter_type='model' with the policy itself: every draft is accepted, so acceptance length = k + 1 (here
-    exactly: max_completion_length leaves no draft cut short by the length limit; the lookups of hybrid drafting,
-    which may miss, are off)."""
+    exactly: max_completion_length leaves no draft cut short by the length limit)."""
     k = 3
     trainer = train_one_step(
         TLTGRPOTrainer,
@@ -465,7 +468,6 @@ def test_policy_as_its_own_drafter_accepts_everything(tiny_model_dirs, tmp_path)
         drafter_type="model",
         drafter_model_name_or_path=tiny_model_dirs["qwen2"],
         speculative_selector="fixed",
-        hybrid_drafting=False,
         num_speculative_tokens=k,
         max_completion_length=1 + 4 * (k + 1),  # the prefill's token, then 4 full speculative steps
         generation_kwargs={"do_sample": False},

@@ -59,12 +59,14 @@ class TLTConfig(GRPOConfig):
         drafter_ttt_length (`int`, *optional*, defaults to `4`):
             Unrolled draft steps the EAGLE-3 head trains on (training-time test); a drafter step's cost grows with it.
             Independent of the draft length: a head trained at 4 drafts fastest at k=6 (docs/benchmarks.md).
-        hybrid_drafting (`bool`, *optional*, defaults to `True`):
+        hybrid_drafting (`bool`, *optional*, defaults to `False`):
             Per row and step, draft from whichever source has lately predicted best: the drafter of `drafter_type`,
             a lookup over the row's GRPO siblings (and its own text), or a lookup over the prompt's completions from
             its latest earlier rollout (the history, `history_max_tokens`); a lookup may draft past
             `num_speculative_tokens` where it keeps matching. One verification, lossless (docs/drafters.md).
-            With `drafter_type="ngram"`: the sibling and history lookups alone. trl-tlt's engine only.
+            With `drafter_type="ngram"`: the sibling and history lookups alone. trl-tlt's engine only. Off by
+            default: on 2 CPU cores it measured at parity with the drafter alone, not faster
+            (docs/benchmarks/hybrid_cpu.json).
         history_max_tokens (`int`, *optional*, defaults to `1048576`):
             With `hybrid_drafting`: memory budget, in tokens, of the per-rank store of each prompt's completions from
             its latest rollout (a prompt's new rollout replaces its old one; the prompts seen longest ago go first
@@ -152,7 +154,7 @@ class TLTConfig(GRPOConfig):
     num_speculative_tokens: int = field(default=6, metadata={"help": _help(__doc__, "num_speculative_tokens")})
     draft_vocab_size: int | None = field(default=None, metadata={"help": _help(__doc__, "draft_vocab_size")})
     drafter_ttt_length: int = field(default=4, metadata={"help": _help(__doc__, "drafter_ttt_length")})
-    hybrid_drafting: bool = field(default=True, metadata={"help": _help(__doc__, "hybrid_drafting")})
+    hybrid_drafting: bool = field(default=False, metadata={"help": _help(__doc__, "hybrid_drafting")})
     history_max_tokens: int = field(default=1_048_576, metadata={"help": _help(__doc__, "history_max_tokens")})
     speculative_selector: str = field(
         default="bandit", metadata={"help": _help(__doc__, "speculative_selector"), "choices": list(SELECTORS)}

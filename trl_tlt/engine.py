@@ -104,16 +104,19 @@ class GenerationStats:
         self.step_seconds.append(seconds)
         if k == 0:
             return
-        self.num_drafts += int((num_drafts > 0).sum())
-        self.num_draft_tokens += int(num_drafts.sum())
-        self.num_accepted_tokens += int(num_accepted.sum())
-        width = max(k, int(num_drafts.max()))  # a lookup may draft past k
+        drafted, accepted, rows, longest = torch.stack(
+            [num_drafts.sum(), num_accepted.sum(), (num_drafts > 0).sum(), num_drafts.max()]
+        ).tolist()  # one device sync
+        self.num_drafts += rows
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        width = max(k, longest)  # a lookup may draft past k
         per_pos = torch.bincount(num_accepted, minlength=width + 1).flip(0).cumsum(0).flip(0)[1:]
         if len(self.num_accepted_tokens_per_pos) < width:
             self.num_accepted_tokens_per_pos += [0] * (width - len(self.num_accepted_tokens_per_pos))
         if source is None:
-            self.num_accepted_tokens_by_source["learned"] += int(num_accepted.sum())
-            self.num_draft_tokens_by_source["learned"] += int(num_drafts.sum())
+            self.num_accepted_tokens_by_source["learned"] += accepted
+            self.num_draft_tokens_by_source["learned"] += drafted
         else:
             position = torch.arange(source.size(1), device=source.device)[None]
             for mask, counts in (
