@@ -12,9 +12,8 @@ position, and keeps seeing every policy forward. Then each row picks:
 
 - a lookup that matches the row's suffix (the longer of the two matches; the siblings on a tie) drafts instead of
   the learned drafter where, on rows whose lookups matched alike (same source and match length, steps of the same
-  k), lookups have
-  lately accepted more tokens per draft than the learned drafter: running means of both over those rows, kept
-  across calls. Where the learned drafter drafts, the lookup is scored in its shadow, for free: its draft against
+  k), lookups have lately accepted more tokens per draft than the learned drafter: running means of both over
+  those rows, kept across calls. Where the learned drafter drafts, the lookup is scored in its shadow, for free: its draft against
   the tokens the row emitted (these are the policy's samples, so the leading matches are distributed as the
   tokens a one-hot draft would have had accepted, cut at the emitted count: a low estimate, which favours the
   learned drafter). Where the lookup drafts, the learned drafter is scored again at one step in `EXPLORE_EVERY`.

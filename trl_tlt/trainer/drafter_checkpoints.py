@@ -26,8 +26,8 @@ SPOT_STATE_NAME = "spot_state.pt"  # drafter optimizer, scheduler, step count an
 
 
 class DrafterCheckpoints:
-    """Mixed into `TLTGRPOTrainer`. The drafter saved beside every checkpoint (in the background) with each rank's prompt
-    history, restored on resume, exported for vLLM / SGLang and pushed to the Hub with a model card."""
+    """Mixed into `TLTGRPOTrainer`. The drafter saved beside every checkpoint (in the background) with each rank's
+    prompt history, restored on resume, exported for vLLM / SGLang and pushed to the Hub with a model card."""
 
     def save_drafter(self, path: str | os.PathLike) -> None:
         """Save the drafter: EAGLE-3 in the layout vLLM and SGLang load, a small LM with `save_pretrained`."""
@@ -118,7 +118,7 @@ class DrafterCheckpoints:
 
     def _save_history(self, folder: Path) -> None:
         """Every rank writes its own prompt history (`hybrid_drafting`), written to a temporary file and renamed."""
-        history = self.tlt_hybrid.history if self.tlt_hybrid is not None else None
+        history = self.tlt_history
         if history is None:
             return
         path = self._history_path(folder)
@@ -143,10 +143,11 @@ class DrafterCheckpoints:
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        history = self.tlt_hybrid.history if self.tlt_hybrid is not None else None
         history_path = self._history_path(Path(resume_from_checkpoint))
-        if history is not None and history_path.is_file():  # a checkpoint without one: the history starts empty
-            history.load_state_dict(json.loads(history_path.read_text()))
+        if (
+            self.tlt_history is not None and history_path.is_file()
+        ):  # a checkpoint without one: the history starts empty
+            self.tlt_history.load_state_dict(json.loads(history_path.read_text()))
         drafter = self._trainable_drafter()
         if drafter is None:
             return

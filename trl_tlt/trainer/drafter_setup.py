@@ -88,6 +88,11 @@ class DrafterSetup:
         history = PromptHistory(self.args.history_max_tokens) if self.args.history_max_tokens else None
         return HybridDrafter(learned, history, learned_tokens=self.args.num_speculative_tokens)
 
+    @property
+    def tlt_history(self) -> PromptHistory | None:
+        """The hybrid drafter's prompt history (None without `hybrid_drafting`, or with `history_max_tokens=0`)."""
+        return self.tlt_hybrid.history if self.tlt_hybrid is not None else None
+
     def _load_drafter_lm(self, path: str) -> PreTrainedModel:
         """The drafter LM (safetensors weights only, no remote code), refused by name unless it reads the policy's
         tokens: its vocabulary covers the policy tokenizer's, and a tokenizer saved with it is the policy's."""

@@ -157,8 +157,8 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
                     )
                     params = self._sampling_params(unwrapped_model)
                     out = engine.generate(prompt_ids, params, generator=self._tlt_generator)
-                    if self.tlt_hybrid is not None and self.tlt_hybrid.history is not None and training:
-                        self.tlt_hybrid.history.add(prompt_ids, out.completion_ids)
+                    if self.tlt_history is not None and training:
+                        self.tlt_history.add(prompt_ids, out.completion_ids)
                     if self.tlt_spot is not None and training:
                         self._spot_phase(unwrapped_model, prompt_ids, out.completion_ids, out.stats.total_s)
             if reason is None:
@@ -193,12 +193,11 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
             "tlt/rollout_tokens_per_second": stats.num_emitted_tokens / max(stats.total_s, 1e-9),
             "tlt/mean_active_batch_size": sum(stats.active_batch_sizes) / steps,
         }
-        accepted = sum(stats.num_accepted_tokens_by_source.values())
-        if accepted:  # which source each accepted draft token came from (shares)
+        if stats.num_accepted_tokens:  # which source each accepted draft token came from (shares)
             for source, count in stats.num_accepted_tokens_by_source.items():
-                metrics[f"tlt/accepted_from_{source}"] = count / accepted
-        if self.tlt_hybrid is not None and self.tlt_hybrid.history is not None:
-            metrics["tlt/history_tokens"] = float(self.tlt_hybrid.history.num_tokens)
+                metrics[f"tlt/accepted_from_{source}"] = count / stats.num_accepted_tokens
+        if self.tlt_history is not None:
+            metrics["tlt/history_tokens"] = float(self.tlt_history.num_tokens)
         # per power-of-two bucket of the active batch size: the k chosen (mean) and the tokens per second
         buckets: dict[int, list] = {}
         for size, k, tokens, seconds in zip(
