@@ -107,9 +107,9 @@ def _verify_kernel(
         u = tl.load(u_accept_ptr + row * K + j, mask=in_draft, other=2.0)
         if HAS_Q:
             q_draft = tl.load(q_ptr + (row * K + j) * V + drafts, mask=in_draft, other=1.0)
-            accepted = (u * q_draft <= tl.exp(lp_draft)) & in_draft
+            accepted = (u * q_draft < tl.exp(lp_draft)) & in_draft  # strict: u = 0 never accepts p = 0
         else:
-            accepted = (u <= tl.exp(lp_draft)) & in_draft
+            accepted = (u < tl.exp(lp_draft)) & in_draft
     else:  # greedy: the draft must be its position's first argmax
         best = tl.full([K_BLOCK], float("-inf"), logp_ptr.dtype.element_ty)
         best_index = tl.zeros([K_BLOCK], dtype=tl.int64)

@@ -3,7 +3,7 @@
 Leviathan et al. 2023, Chen et al. 2023. For row b with draft tokens d_1..d_L (L = num_draft_tokens[b] <= k),
 draft distributions q_j and target (processed) distributions p_j, j = 1..L+1:
 
-    accept d_j  iff  u_j * q_j(d_j) <= p_j(d_j),  u_j ~ U(0, 1)       (probability min(1, p_j / q_j))
+    accept d_j  iff  u_j * q_j(d_j) < p_j(d_j),  u_j ~ U[0, 1)        (probability min(1, p_j / q_j))
     n = number of leading accepted drafts
     n < L:  emit x ~ norm(max(p_{n+1} - q_{n+1}, 0))                   (corrected token)
     n = L:  emit x ~ p_{L+1}                                            (bonus token)
@@ -113,7 +113,8 @@ def verify_reference(
             q_draft[:, :sampled] = draft_probs.gather(-1, drafts[:, :sampled, None]).squeeze(-1)
             if one_hot is not None:
                 q_draft = torch.where(one_hot, 1.0, q_draft)
-        accepted = (uniform_accept * q_draft <= p_draft) & valid
+        # Strict: torch.rand returns exactly 0.0 about once in 2^24 draws, and `<=` would then accept a draft with p = 0.
+        accepted = (uniform_accept * q_draft < p_draft) & valid
     else:
         accepted = (target_logprobs[:, :k].argmax(dim=-1) == drafts) & valid
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # (B,)

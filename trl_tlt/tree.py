@@ -13,7 +13,7 @@ Node i (index i+1; index 0 is the root, the row's newest token) sits at position
 the committed cache and to its ancestors only (a tree attention mask), so one forward scores every node as if its
 path had been decoded alone. Verification walks the tree from the root (multi-draft recursive rejection sampling):
 
-    at a backbone node:  accept the sampled child d iff u * q(d) <= p(d)              (as for a chain)
+    at a backbone node:  accept the sampled child d iff u * q(d) < p(d)               (as for a chain)
                          else x ~ norm(max(p - q, 0)), the residual
     at any other node:   x ~ p
     if a child holds x, move to it and go on; else emit x and stop
@@ -165,7 +165,7 @@ def verify_tree(
         main = torch.cat([torch.zeros_like(tree.token_ids[:, :1]), tree.token_ids], dim=1).gather(1, child)
         p = probs.gather(1, parent[..., None].expand(-1, -1, vocab))  # (B, L, V)
         q_main = tree.probs.gather(2, main[..., None]).squeeze(2)
-        accept = has & (uniforms[..., 0].gather(1, parent) * q_main <= p.gather(2, main[..., None]).squeeze(2))
+        accept = has & (uniforms[..., 0].gather(1, parent) * q_main < p.gather(2, main[..., None]).squeeze(2))
         residual = (p - tree.probs).clamp(min=0)
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # round-off guard
         drawn = sample_inverse_cdf(residual.flatten(0, 1), uniforms[..., 1].gather(1, parent).flatten())
