@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from trl_tlt.drafters.draft_vocab import DraftVocabulary
 from trl_tlt.drafters.eagle3 import Eagle3Model
 from trl_tlt.spot import HELD_OUT_EVERY, DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
 from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer
@@ -191,6 +193,53 @@ def test_two_ranks_train_while_idle_and_merge():
     assert torch.equal(first["flat"], second["flat"])  # merged: both ranks hold the same drafter
     assert not torch.equal(first["flat"], first["start"])  # ... the one the idle rank trained
     assert first["summary"]["steps"] == first["steps"] and first["summary"]["loss"] is not None
+
+
+def _two_ranks_fitted_vocab(rank, init_file, results):
+    """Two rollouts with a new head whose draft vocabulary is fitted at the first: rank 0 trains while rank 1 is still
+    "generating", rank 1 does not."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    config = Qwen2Config(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    policy = Qwen2ForCausalLM(config).eval()
+    head = Eagle3Model.for_policy(policy, draft_vocab_size=4096)
+    group = dist.new_group(backend="gloo")
+    spot = SpotTrainer(
+        head, DataBuffer(window=2), tokens_per_step=64, group=group, seed=rank,
+        vocab=DraftVocabulary(4096, 4096), fit_vocab=True,
+    )  # fmt: skip
+    sizes = []
+    for step in range(2):
+        spot.observe_rollout(*rollout(16, 20, offset=rank + step))
+        if rank == 1:
+            time.sleep(1.5)
+        stats = spot.run_while_idle(policy)
+        sizes.append(head.config.draft_vocab_size)
+    results[rank] = {
+        "steps": stats.steps,
+        "sizes": sizes,
+        "flat": torch.cat([p.detach().reshape(-1) for p in spot.params]),
+    }
+    dist.destroy_process_group()
+
+
+def test_two_ranks_fit_the_draft_vocabulary_alike(tmp_path):
+    """Mutation caught: the one-time fit of the draft vocabulary decided by a per-rank count (`total_steps == 0`):
+    the rank that trained while waiting kept its 4096 rows, the other fitted 1024, and the next merge all-reduced
+    vectors of different lengths (gloo aborted both ranks: the process died with SIGABRT)."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(
+            _two_ranks_fitted_vocab, args=(str(tmp_path / "init"), results), nprocs=2, join=True, start_method="spawn"
+        )
+        first, second = results[0], results[1]
+    assert first["sizes"] == second["sizes"] == [1024, 1024]  # fitted at the first rollout, on both ranks
+    assert first["steps"] > 0 and torch.equal(first["flat"], second["flat"])
 
 
 def _rank_fails(rank, init_file, results, policy_state, failure):

@@ -234,10 +234,11 @@ class SpotTrainer:
             with self._peers("the sum of the ranks' token counts"):
                 dist.all_reduce(counts, group=self.group)
         self.vocab.observe(counts)
-        if self.fit_vocab:  # once, before the first drafter step: size the vocabulary to what the policy uses
+        if self.fit_vocab:  # once, at the first rollout: size the vocabulary to what the policy uses
+            # Every rank decides alike (the counts are summed over ranks; no per-rank count such as the steps this rank
+            # took while waiting): the next merge all-reduces heads of the size chosen here.
             self.fit_vocab = False
-            if self.total_steps == 0:
-                self.vocab.draft_vocab_size = fitted_size(self.vocab.counts, self.vocab.draft_vocab_size)
+            self.vocab.draft_vocab_size = fitted_size(self.vocab.counts, self.vocab.draft_vocab_size)
         new_ids = self.vocab.revised(self.drafter.draft_ids)
         if new_ids is not None and new_ids.numel() != self.drafter.config.draft_vocab_size:
             self.drafter.resize_draft_vocab(new_ids, policy.get_output_embeddings().weight)
@@ -398,6 +399,7 @@ class SpotTrainer:
             self.budget.load_state_dict(state["budget"])
         if self.vocab is not None and "vocab" in state:
             self.vocab.load_state_dict(state["vocab"])
+        self.fit_vocab = False  # a resumed head was fitted (or chosen) before it was saved
         with torch.no_grad():  # the resumed weights are the good ones
             for good, p in zip(self._good, self.params, strict=True):
                 good.copy_(p)
