@@ -56,6 +56,22 @@ def train_one_step(trainer_cls, config_cls, model_dir, tmp_path, **overrides):
     return trainer
 
 
+def test_the_constructor_accepts_exactly_what_grpo_trainer_accepts(tiny_model_dirs, tmp_path):
+    """Mutation caught: a constructor with its own parameters (it required `reward_funcs`, optional in TRL 1.16 where an
+    environment may own the reward: TRL's own tests failed with a TypeError instead of GRPOTrainer's ValueError)."""
+    assert inspect.signature(TLTGRPOTrainer.__init__) == inspect.signature(GRPOTrainer.__init__)
+    errors = []
+    for trainer_cls, config_cls in ((GRPOTrainer, GRPOConfig), (TLTGRPOTrainer, TLTConfig)):
+        with pytest.raises(ValueError) as error:
+            trainer_cls(
+                model=AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]),
+                args=config_cls(**config_kwargs(tmp_path)),
+                train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+            )
+        errors.append(str(error.value))
+    assert "No reward source provided" in errors[0] and errors[0] == errors[1]
+
+
 def test_private_hooks_we_override_still_exist():
     params = list(inspect.signature(GRPOTrainer.__init__).parameters)
     assert params[:4] == ["self", "model", "reward_funcs", "args"]  # TLTGRPOTrainer passes these on positionally

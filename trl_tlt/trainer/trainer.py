@@ -9,6 +9,7 @@ parent's, so training is unchanged; only rollout time drops.
 
 from __future__ import annotations
 
+import inspect
 import tempfile
 import threading
 from collections.abc import Sized
@@ -18,7 +19,7 @@ from unittest import mock
 
 import torch
 from transformers.utils import logging
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 from trl.trainer import grpo_trainer
@@ -55,12 +56,12 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
 
     _tag_names = ["trl", "grpo", "trl-tlt"]
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, *pargs, **kwargs):
+    def __init__(self, *args, **kwargs):  # GRPOTrainer's arguments, as they are (its signature: `__signature__` below)
         self.tlt_drafter: Drafter | None = None
         self._tlt_tmp: tempfile.TemporaryDirectory | None = None
         # The parent builds its vLLM engine in __init__: ours instead, with the drafter (built first) as speculator.
         with mock.patch.object(grpo_trainer, "VLLMGeneration", self._build_vllm_generation):
-            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+            super().__init__(*args, **kwargs)
         self.args: TLTConfig = as_tlt_config(self.args)
         if isinstance(self.train_dataset, Sized) and len(self.train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: pass a dataset with at least one prompt to train on.")
@@ -294,4 +295,7 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
                 inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
 
-    # ------------------------------------------------------------------------------ drafter checkpoints
+
+# What `inspect.signature`, IDEs and argument checks read: exactly GRPOTrainer's constructor (`reward_funcs` optional
+# in TRL 1.16, where an environment may own the reward).
+TLTGRPOTrainer.__init__.__signature__ = inspect.signature(GRPOTrainer.__init__)
