@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from trl_tlt.drafters import Draft, Drafter
+from trl_tlt.drafters import Draft, ModelDrafter
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.rejection_sampler import verify_reference
 from trl_tlt.sampling import SamplingParams
@@ -54,3 +54,77 @@ def test_a_zero_uniform_never_accepts_an_impossible_tree_node(monkeypatch):
     _, num_accepted, next_tokens, emitted = verify_tree(logp, tree, depths_from_ancestors(ancestors), 1, True)
     assert num_accepted.tolist() == [0]
     assert next_tokens.tolist() != [1] and torch.isfinite(emitted[0, 0])
+
+
+def test_a_fault_at_a_later_position_cuts_the_draft_there():
+    """Mutation caught: `_checked_draft` dropping a row's whole draft for a fault at a later position. A user drafter
+    whose q at position 2 breaks whenever d_1 = 3: rows dropped whole are a biased selection of their first tokens
+    (the first token then reads about .04/.28/.35/.33 against p = .1/.2/.3/.4); cut at position 2, d_1 is verified
+    on every row and the first token is distributed as p."""
+    from scipy.stats import chisquare
+
+    from trl_tlt.engine import _checked_draft
+
+    rows, vocab = 40_000, 4
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    q = torch.full((vocab,), 0.25, dtype=torch.float64)
+    draft_ids = torch.multinomial(q, 2 * rows, replacement=True, generator=g).view(rows, 2)
+    probs = q.expand(rows, 2, vocab).clone()
+    probs[draft_ids[:, 0] == 3, 1] = float("nan")  # the fault at position 2 depends on d_1
+    checked = _checked_draft(Draft(draft_ids, torch.full((rows,), 2), probs), vocab)
+    ids, q_safe, num_drafts = checked[0], checked[1], checked[3]
+    logp = p.log().expand(rows, 3, vocab)
+    uniforms = (
+        torch.rand(rows, 2, generator=g, dtype=torch.float64),
+        torch.rand(rows, generator=g, dtype=torch.float64),
+    )
+    num_accepted, next_tokens, _ = verify_reference(logp, ids, num_drafts, q_safe, *uniforms)
+    first = torch.where(num_accepted > 0, ids[:, 0], next_tokens)
+    observed = torch.bincount(first, minlength=vocab).double()
+    assert chisquare(observed, p * rows).pvalue > 1e-3
+    faulty = draft_ids[:, 0] == 3
+    assert num_drafts[faulty].eq(1).all() and num_drafts[~faulty].eq(2).all()  # cut at the fault, d_1 kept
+
+
+class LaterPositionFaultDrafter(ModelDrafter):
+    """The policy drafting for itself (accepted in full under greedy decoding), with q NaN from position 2 on."""
+
+    def propose(self, ctx, k):
+        draft = super().propose(ctx, k)
+        probs = draft.probs.clone()
+        probs[:, 1:] = float("nan")
+        return Draft(draft.token_ids, draft.num_tokens, probs)
+
+
+def test_a_later_fault_keeps_the_drafts_before_it(tiny_model_f64):
+    """Mutation caught: the whole draft dropped for a fault at position 2 (nothing was then ever accepted)."""
+    from test_engine import EOS, hf_greedy, random_prompts
+
+    model = tiny_model_f64
+    prompts = random_prompts(5, model.config.vocab_size, seed=6)
+    params = SamplingParams(do_sample=False, max_new_tokens=12, eos_token_ids=(EOS,))
+    drafter = LaterPositionFaultDrafter(model, model.config.vocab_size)
+    out = SpeculativeEngine(model, drafter=drafter, num_speculative_tokens=3).generate(prompts, params)
+    assert out.completion_ids == hf_greedy(model, prompts, max_new_tokens=12)
+    assert out.stats.num_invalid_drafts > 0
+    assert out.stats.num_accepted_tokens_per_pos[0] > 0 and out.stats.num_accepted_tokens_per_pos[1] == 0
+
+
+def test_a_tree_backbone_is_cut_at_its_first_broken_depth():
+    """Mutation caught: `checked_tree` demoting the whole backbone for a q that breaks at depth 2 (whether the depth-1
+    node is tested against q would then depend on what the drafter did after sampling it, as for a chain)."""
+    vocab = 5
+    probs = torch.full((1, 2, vocab), 0.2)
+    probs[0, 1] = float("nan")
+    tree = DraftTree(
+        token_ids=torch.tensor([[1, 2, 3]]),
+        parents=torch.tensor([[0, 1, 0]]),  # backbone: node 0 (depth 1) -> node 1 (depth 2); node 2: a side branch
+        valid=torch.tensor([[True, True, True]]),
+        sampled=torch.tensor([[True, True, False]]),
+        probs=probs,
+    )
+    safe, _, rows_ok = checked_tree(tree, vocab, max_depth=2)
+    assert rows_ok.tolist() == [True] and safe.valid.all()
+    assert safe.sampled.tolist() == [[True, False, False]]
+    assert torch.isfinite(safe.probs).all() and safe.probs[0, 0].eq(0.2).all()

@@ -56,7 +56,7 @@ class GenerationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
-    num_invalid_drafts: int = 0  # row-steps whose draft was dropped: token out of range, or q not a distribution
+    num_invalid_drafts: int = 0  # row-steps whose draft was cut at a fault: token out of range, q not a distribution
     num_tree_steps: int = 0  # decode steps that verified a draft tree
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     active_batch_sizes: list[int] = field(default_factory=list)
@@ -370,15 +370,15 @@ class SpeculativeEngine:
             tree.valid &= depths <= (remaining - 1)[:, None]
             return None, None, None, tree.valid.sum(dim=1), valid_rows, (tree, ancestors, depths)
         draft = drafter.propose(ctx, k)
-        draft_ids, draft_probs, source, valid_rows = _checked_draft(draft, vocab)
+        draft_ids, draft_probs, source, num_kept, cut = _checked_draft(draft, vocab)
         # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
-        num_drafts = torch.where(valid_rows, torch.minimum(draft.num_tokens, remaining - 1), 0)
+        num_drafts = torch.minimum(num_kept, remaining - 1)
         # Verify only as many positions as the longest draft needs (a drafter may stop short of k).
         longest = int(num_drafts.max())
         draft_ids = draft_ids[:, :longest]
         source = None if source is None else source[:, :longest]
         draft_probs = None if draft_probs is None else draft_probs[:, :longest]
-        return draft_ids, draft_probs, source, num_drafts, valid_rows, None
+        return draft_ids, draft_probs, source, num_drafts, ~cut, None
 
     @staticmethod
     def _verify_chain(policy, last, draft_ids, num_drafts, draft_probs, source, seen, params, generator):
@@ -461,31 +461,46 @@ class SpeculativeEngine:
         return torch.tensor(keep, dtype=torch.bool, device=num_accepted.device), sum(counts_l)
 
 
-def _checked_draft(draft, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """A drafter fault must never reach verification: a row drafting a token outside the vocabulary or a source
-    `DRAFT_SOURCES` does not name, or whose q is not a distribution with mass on its sampled drafts (NaN, infinite,
-    negative, zero; missing past q's length), drafts nothing this step (it then emits one token sampled from the
-    policy, exactly). Returns token ids, q and sources made safe, and the valid rows (B,)."""
+def _checked_draft(
+    draft, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """A drafter fault must never reach verification: each row's draft is cut at its first invalid position, a token
+    outside the vocabulary or a source `DRAFT_SOURCES` does not name, or a sampled draft whose q is not a distribution
+    with mass on it (NaN, infinite, negative, zero; missing past q's length). The drafts before it are verified as
+    usual; a row cut at 0 drafts nothing this step (it emits one token sampled from the policy, exactly).
+
+    Cutting, never dropping the whole row: whether d_1..d_j are verified may then depend on d_1..d_{j+1} (a draft
+    length chosen as the draft goes: lossless), never on a later position's fault, which may itself depend on d_j (a
+    user drafter whose q at j + 1 breaks after some d_j): rows dropped whole for it would be a biased selection of
+    their first tokens. Returns token ids, q and sources made safe, the drafts kept per row (B,) and the rows cut
+    (B,)."""
     ids = draft.token_ids  # (B, L)
     width = ids.size(1)
-    used = torch.arange(width, device=ids.device)[None, :] < draft.num_tokens[:, None]  # (B, L)
-    valid = ((ids >= 0) & (ids < vocab) | ~used).all(dim=1)
-    ids = torch.where(used & valid[:, None], ids, 0)
+    position = torch.arange(width, device=ids.device)[None, :]
+    used = position < draft.num_tokens[:, None]  # (B, L)
+    ok = (ids >= 0) & (ids < vocab)
     source, sampled = draft.source, used
     if source is not None:
-        valid &= ((source >= 0) & (source < len(DRAFT_SOURCES)) | ~used).all(dim=1)
+        ok &= (source >= 0) & (source < len(DRAFT_SOURCES))
         sampled = used & (source == DRAFT_SOURCES.index("learned"))
     probs = draft.probs
     if probs is not None:  # (B, k, V)
-        k = probs.size(1)
-        valid &= ~sampled[:, k:].any(dim=1)  # a sampled draft past q's length has no q
-        finite = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)  # (B, k)
-        mass = probs.gather(-1, ids[:, :k, None]).squeeze(-1) > 0
-        valid &= ((finite & mass) | ~sampled[:, :k]).all(dim=1)
-        probs = torch.where(valid[:, None, None], probs, 0.0)
+        k = min(probs.size(1), width)
+        finite = torch.isfinite(probs[:, :k]).all(dim=-1) & (probs[:, :k] >= 0).all(dim=-1)  # (B, k)
+        mass = probs[:, :k].gather(-1, ids[:, :k, None].clamp(0, probs.size(-1) - 1)).squeeze(-1) > 0
+        has_q = torch.zeros_like(ok)
+        has_q[:, :k] = finite & mass
+        ok &= has_q | ~sampled  # a sampled draft past q's length has no q
+    bad = used & ~ok
+    cut = bad.any(dim=1)
+    num_tokens = torch.where(cut, bad.int().argmax(dim=1), draft.num_tokens)  # (B,) drafts before the first fault
+    kept = position < num_tokens[:, None]
+    ids = torch.where(kept, ids, 0)
+    if probs is not None:
+        probs = torch.where(kept[:, : probs.size(1), None], probs, 0.0)
     if source is not None:
-        source = torch.where(used & valid[:, None], source, 0)
-    return ids, probs, source, valid
+        source = torch.where(kept, source, 0)
+    return ids, probs, source, num_tokens, cut
 
 
 def _seen_per_position(seen: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:

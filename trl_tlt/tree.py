@@ -79,8 +79,9 @@ def depths_from_ancestors(ancestors: torch.Tensor) -> torch.Tensor:
 def checked_tree(tree: DraftTree, vocab: int, max_depth: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """A drafter fault must never reach verification: a row with a token outside the vocabulary, a parent that is not
     an earlier valid node, or a node deeper than `max_depth` drafts nothing this step; a row whose backbone is not a
-    chain from the root or whose q is not a distribution with mass on it keeps its nodes but loses the backbone
-    (all its nodes are walked against p alone, still exact).
+    chain from the root keeps its nodes but loses the backbone (all its nodes are walked against p alone, still
+    exact), and a backbone is cut at its first depth whose q is not a distribution with mass on its node (the nodes
+    below are walked against p alone): whether a backbone node is tested against q never depends on a deeper one.
 
     Returns the tree made safe, its ancestor relation (`tree_ancestors`, invalid nodes see themselves only) and the
     valid rows (B,).
@@ -110,10 +111,17 @@ def checked_tree(tree: DraftTree, vocab: int, max_depth: int) -> tuple[DraftTree
         chain &= ((depths <= probs.size(1)) | ~sampled).all(dim=1)
         level = (depths - 1).clamp(0, probs.size(1) - 1)  # (B, N) index into probs
         q_node = probs.gather(1, level[..., None].expand(-1, -1, probs.size(2))).gather(2, ids[..., None]).squeeze(2)
-        finite = (torch.isfinite(probs).all(dim=2) & (probs >= 0).all(dim=2)).all(dim=1)
-        chain &= finite & ((q_node > 0) | ~sampled).all(dim=1)
-        sampled = sampled & chain[:, None]
-        probs = torch.where(chain[:, None, None], probs, 0.0)
+        # The backbone is cut at its first depth whose q is not a distribution with mass on its node (as a chain
+        # draft is: `engine._checked_draft`); the nodes from there on are walked against p alone.
+        level_ok = torch.isfinite(probs).all(dim=2) & (probs >= 0).all(dim=2)  # (B, D)
+        level_ok.scatter_reduce_(1, level, (q_node > 0) | ~sampled, reduce="amin")
+        first_bad = torch.where(level_ok.all(dim=1), level_ok.size(1), (~level_ok).int().argmax(dim=1))  # (B,)
+        sampled = sampled & chain[:, None] & (level < first_bad[:, None])
+        probs = torch.where(
+            chain[:, None, None] & (torch.arange(probs.size(1), device=ids.device) < first_bad[:, None])[..., None],
+            probs,
+            0.0,
+        )
     safe = DraftTree(ids, parents, valid, sampled, probs)
     return safe, ancestors, rows_ok
 
