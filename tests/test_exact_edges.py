@@ -9,7 +9,7 @@ import torch
 from trl_tlt.drafters import Draft, ModelDrafter
 from trl_tlt.engine import SpeculativeEngine
 from trl_tlt.rejection_sampler import verify_reference
-from trl_tlt.sampling import SamplingParams
+from trl_tlt.sampling import SamplingParams, process_logits
 from trl_tlt.tree import DraftTree, checked_tree, depths_from_ancestors, verify_tree
 
 
@@ -128,3 +128,122 @@ def test_a_tree_backbone_is_cut_at_its_first_broken_depth():
     assert rows_ok.tolist() == [True] and safe.valid.all()
     assert safe.sampled.tolist() == [[True, False, False]]
     assert torch.isfinite(safe.probs).all() and safe.probs[0, 0].eq(0.2).all()
+
+
+def test_the_repetition_penalty_sees_the_left_padding_as_generate_does(tiny_model_f64):
+    """Mutation caught: the engine's seen tokens built from the unpadded prompt (`padded_width` ignored): on a padded
+    row the pad token's probability then differs from `generate`'s on GRPOTrainer's left-padded batch."""
+    from test_engine import random_prompts
+
+    model = tiny_model_f64
+    pad = 5
+    prompts = random_prompts(6, model.config.vocab_size, seed=2)
+    width = max(map(len, prompts)) + 2  # as with pad_to_multiple_of: every row padded
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6, repetition_penalty=1.3,
+        pad_token_id=pad, eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    expected = torch.stack([torch.log_softmax(s.double(), -1) for s in out.scores], dim=1)  # (B, T, V)
+    tokens = out.sequences[:, width:]
+    expected = expected.gather(-1, tokens[..., None]).squeeze(-1)
+    params = SamplingParams(do_sample=False, max_new_tokens=6, repetition_penalty=1.3)
+    result = SpeculativeEngine(model, drafter=None, pad_token_id=pad).generate(prompts, params, padded_width=width)
+    assert result.completion_ids == tokens.tolist()
+    # generate processes float32 logits: agreement to float32 round-off (the unpadded penalty is ~1e-4 off)
+    torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float64), expected, rtol=0, atol=1e-6)
+
+
+def test_both_trainers_penalise_the_padding_of_short_prompts_alike(tiny_model_dirs, tmp_path):
+    """Mutation caught: the trainer not passing GRPOTrainer's padded width to the engine. A policy whose pad token is
+    as likely as its favourite first token; repetition_penalty=3.0 in the config: on the row GRPOTrainer left-pads,
+    the pad token first is rare with `generate` (it is penalised), and was 1 in 2 with the engine before the fix."""
+    from datasets import Dataset
+    from scipy.stats import binomtest
+    from test_trainer import config_kwargs, reward_len
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_tlt import TLTConfig, TLTGRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dirs["qwen2"])
+    pad = tokenizer.pad_token_id
+    short, long = tokenizer("1 2")["input_ids"], tokenizer("The quick brown fox jumps")["input_ids"]
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
+    with torch.no_grad():  # the favourite first token made likely, the pad token's LM-head row a copy of its row
+        logits = policy(torch.tensor([short])).logits[0, -1]
+        favourite = int(logits.argmax())
+        policy.lm_head.weight[favourite] *= 6.0 / float(logits[favourite])  # its logit: 6
+        policy.lm_head.weight[pad] = policy.lm_head.weight[favourite]
+    policy.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    kwargs = config_kwargs(tmp_path, max_completion_length=1, repetition_penalty=3.0, seed=1)
+    pad_first = {}
+    for name, trainer_cls, config_cls, extra in (
+        ("grpo", GRPOTrainer, GRPOConfig, {}),
+        ("tlt", TLTGRPOTrainer, TLTConfig, {"drafter_type": "none"}),
+    ):
+        trainer = trainer_cls(
+            model=AutoModelForCausalLM.from_pretrained(tmp_path / "policy"),
+            reward_funcs=reward_len,
+            args=config_cls(**kwargs, **extra),
+            train_dataset=Dataset.from_dict({"prompt": ["1 2"] * 8}),
+        )
+        completions, _ = trainer._generate_single_turn([short, long] * 200, None, {}, 1)
+        pad_first[name] = sum(c[:1] == [pad] for c in completions[0::2])
+    # The exact probability on the padded row: the processed distribution after [pad] * (width - 2) + short.
+    width = len(long)
+    ids = torch.tensor([[pad] * (width - len(short)) + short])
+    mask = (ids != pad).long()
+    with torch.no_grad():
+        logits = policy(input_ids=ids, attention_mask=mask).logits[:, -1].float()
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True)
+    expected = process_logits(logits, SamplingParams(repetition_penalty=3.0), seen)[0, pad].exp().item()
+    assert expected < 0.05  # penalised: the unpadded long row keeps it near 1/2
+    for name, count in pad_first.items():
+        assert binomtest(count, 200, expected).pvalue > 1e-4, (name, count, expected)
+
+
+def test_a_models_own_sampling_settings_merge_as_in_generate(tiny_model_dirs, tmp_path, monkeypatch):
+    """Mutation caught: the engine taking the model's generation_config.json as it is (Qwen2.5-Instruct's carries a
+    repetition penalty of 1.05). GRPOTrainer's `generate` merges it with the config's settings, which override it
+    (here: no penalty, no top-k); the engine's `SamplingParams` must equal what `generate`'s processors apply."""
+    from datasets import Dataset
+    from test_trainer import config_kwargs, reward_len
+    from transformers import AutoModelForCausalLM
+    from transformers.generation import utils as generation_utils
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_tlt import TLTConfig, TLTGRPOTrainer
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
+    config = policy.generation_config
+    config.do_sample, config.repetition_penalty, config.top_k = True, 1.05, 7
+    policy.save_pretrained(tmp_path / "policy")
+    built = []
+    original = generation_utils.GenerationMixin._get_logits_processor
+
+    def record(self, *args, **kwargs):
+        processors = original(self, *args, **kwargs)
+        built.append({type(p).__name__: p for p in processors})
+        return processors
+
+    monkeypatch.setattr(generation_utils.GenerationMixin, "_get_logits_processor", record)
+    trainers = {}
+    for name, trainer_cls, config_cls in (("grpo", GRPOTrainer, GRPOConfig), ("tlt", TLTGRPOTrainer, TLTConfig)):
+        trainers[name] = trainer_cls(
+            model=AutoModelForCausalLM.from_pretrained(tmp_path / "policy"),
+            reward_funcs=reward_len,
+            args=config_cls(**config_kwargs(tmp_path, max_completion_length=2)),
+            train_dataset=Dataset.from_dict({"prompt": ["1 2"] * 8}),
+        )
+    trainers["grpo"]._generate_single_turn([[5, 6, 7]], None, {}, 1)
+    processors = built[-1]
+    with trainers["tlt"]._unwrapped_for_generation() as unwrapped:
+        params = trainers["tlt"]._sampling_params(unwrapped)
+    assert params.repetition_penalty == 1.0 and params.top_k is None  # TRL's own settings win over the model's
+    penalty = processors.get("RepetitionPenaltyLogitsProcessor")
+    assert params.repetition_penalty == (penalty.penalty if penalty is not None else 1.0)
+    top_k = processors.get("TopKLogitsWarper")
+    assert params.top_k == (top_k.top_k if top_k is not None else None)

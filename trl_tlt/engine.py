@@ -166,10 +166,17 @@ class _Run:
             drafter.select(rows)
 
 
-def _prompt_tokens(prompts: list[list[int]], vocab: int, device) -> torch.Tensor:
+def _prompt_tokens(
+    prompts: list[list[int]], vocab: int, device, padded_width: int | None, pad_token_id: int
+) -> torch.Tensor:
+    """(B, V) the tokens each row has seen before its completion, for the repetition penalty: its prompt, and the pad
+    token where `generate` would have left-padded the row (transformers' processor penalises every id of its input,
+    padding included)."""
     seen = torch.zeros((len(prompts), vocab), dtype=torch.bool, device=device)
     for row, prompt in enumerate(prompts):
         seen[row, torch.tensor(prompt, device=device)] = True
+        if padded_width is not None and len(prompt) < padded_width:
+            seen[row, pad_token_id] = True
     return seen
 
 
@@ -245,8 +252,13 @@ class SpeculativeEngine:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         group_ids: list[int] | None = None,
+        padded_width: int | None = None,
     ) -> GenerationOutput:
-        """Complete every prompt. Returns completion ids, their processed logprobs and `GenerationStats`."""
+        """Complete every prompt. Returns completion ids, their processed logprobs and `GenerationStats`.
+
+        `padded_width`: sample as `generate` does on these prompts left-padded to this width with `pad_token_id`
+        (GRPOTrainer's batch): under the repetition penalty a shorter row has seen the pad token. None: unpadded.
+        """
         self._check_prompts(prompts, params)
         start = time.perf_counter()
         device = self.model.device
@@ -268,7 +280,9 @@ class SpeculativeEngine:
             ),
             completions=[[] for _ in prompts],
             logprobs=[[] for _ in prompts],
-            seen=_prompt_tokens(prompts, last_logits.size(-1), device) if params.uses_repetition_penalty else None,
+            seen=_prompt_tokens(prompts, last_logits.size(-1), device, padded_width, self.pad_token_id)
+            if params.uses_repetition_penalty
+            else None,
             eos=torch.tensor(params.eos_token_ids or [-1], device=device),
             vocab=last_logits.size(-1),
             stats=GenerationStats(num_prompts=batch),

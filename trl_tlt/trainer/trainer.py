@@ -157,7 +157,9 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
                         pad_token_id=self._tokenizer.pad_token_id,
                     )
                     params = self._sampling_params(unwrapped_model)
-                    out = engine.generate(prompt_ids, params, generator=self._tlt_generator)
+                    out = engine.generate(
+                        prompt_ids, params, generator=self._tlt_generator, padded_width=self._padded_width(prompt_ids)
+                    )
                     if self.tlt_history is not None and training:
                         self.tlt_history.add(prompt_ids, out.completion_ids)
                     if self.tlt_spot is not None and training:
@@ -169,6 +171,12 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
             self._refuse_spot_training_without_engine()
         self._note_stock_generation(reason)
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _padded_width(self, prompt_ids: list[list[int]]) -> int:
+        """The width GRPOTrainer's `generate` left-pads this batch of prompts to (`pad_to_multiple_of` included)."""
+        width = max(map(len, prompt_ids))
+        multiple = self.pad_to_multiple_of
+        return width if not multiple else -(-width // multiple) * multiple
 
     def _rollout_drafter(self) -> tuple[Drafter | None, SpeculationPolicy]:
         """This rollout's drafter and speculation policy: a learned drafter that does not pay (spot training's
