@@ -227,3 +227,33 @@ def test_prompt_history_is_bounded_aged_and_saved():
         PromptHistory(max_tokens=-1)
     with pytest.raises(ValueError, match="min_match"):
         HybridDrafter(None, min_match=9)
+
+
+def test_hybrid_trees_run_on_when_the_head_is_left_idle(tiny_model_dirs, tmp_path):
+    """Mutation caught: the lookups alone (the learned head left idle by the time budget) drafting with the bandit of
+    tree arms, which `HybridDrafter.lookups_only()` refuses: hybrid_drafting with speculative_trees crashed mid-run
+    with a ValueError. The idle rollouts play the chain arms, with statistics of their own."""
+    from datasets import Dataset
+    from test_trainer import PROMPTS, config_kwargs, reward_len
+    from transformers import AutoModelForCausalLM
+
+    from trl_tlt import TLTConfig, TLTGRPOTrainer
+
+    args = TLTConfig(**config_kwargs(tmp_path, max_steps=2), hybrid_drafting=True, speculative_trees=True)
+    trainer = TLTGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]),
+        reward_funcs=reward_len,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+    )
+    bandit = trainer.tlt_speculation
+    tree = next(arm for arm in bandit.arms if arm.is_tree)
+    for bucket in (1, 2, 4, 8, 16):  # every arm tried, a tree arm the best at every batch size
+        for arm, stats in bandit._stats[bucket].items():
+            stats.count, stats.tokens, stats.seconds = 1, 1e9 if arm == tree else 1.0, 1.0
+    trainer.tlt_spot.budget.skip = 100  # the time budget leaves the head idle from the first rollout on
+    trainer.tlt_spot.budget.fast_mean = trainer.tlt_spot.budget.slow_mean = 1.0
+    trainer.tlt_spot.budget.phases = 100
+    assert not trainer.tlt_spot.drafter_pays
+    trainer.train()
+    assert trainer.tlt_last_stats.num_tree_steps == 0 and trainer.tlt_last_stats.num_target_forwards > 0

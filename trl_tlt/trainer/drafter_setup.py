@@ -198,6 +198,15 @@ class DrafterSetup:
             arms=arms, epsilon=self.args.selector_epsilon, seed=self.args.seed, cost_model=cost_model
         )
 
+    def _build_lookup_speculation(self) -> SpeculationPolicy | None:
+        """The speculation policy of the rollouts in which the hybrid's lookups draft alone (spot training left the
+        learned drafter idle): the chain arms (lookups draft no trees), with their own statistics."""
+        if self.tlt_hybrid is None or not isinstance(self.tlt_speculation, BanditSpeculation):
+            return self.tlt_speculation
+        bandit = self.tlt_speculation
+        chains = [arm for arm in bandit.arms if not arm.is_tree]
+        return BanditSpeculation(arms=chains, epsilon=bandit.epsilon, seed=bandit.seed, cost_model=bandit.cost_model)
+
     def _modelled_step_cost(self):
         """Cost of a decode step in policy forwards: 1 (the verification, which scores all k+1 positions, or all of a
         tree's nodes, at once, as a memory-bound forward does) + k drafter forwards (a tree's depth), each weighted by

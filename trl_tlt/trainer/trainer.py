@@ -81,6 +81,7 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
                 self.tlt_drafter = self._build_drafter()
         self.tlt_hybrid = self._build_hybrid()  # what drafts in the engine, around `tlt_drafter` (None: it alone)
         self.tlt_speculation = self._build_speculation()
+        self._tlt_lookup_speculation = self._build_lookup_speculation()
         self.tlt_last_stats: GenerationStats | None = None
         self.tlt_last_vllm_stats: dict[str, float] | None = None
         self.tlt_vllm_spec_faults = 0  # rollouts regenerated without speculation (vLLM's samples failed the check)
@@ -184,7 +185,7 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
         if self.tlt_spot is None or self.tlt_spot.drafter_pays:
             return self.tlt_hybrid or self.tlt_drafter, self.tlt_speculation
         if self.tlt_hybrid is not None:
-            return self.tlt_hybrid.lookups_only(), self.tlt_speculation
+            return self.tlt_hybrid.lookups_only(), self._tlt_lookup_speculation
         return None, FixedSpeculation(0)
 
     def _log_rollout_stats(self, stats: GenerationStats) -> None:
