@@ -257,3 +257,16 @@ def test_hybrid_trees_run_on_when_the_head_is_left_idle(tiny_model_dirs, tmp_pat
     assert not trainer.tlt_spot.drafter_pays
     trainer.train()
     assert trainer.tlt_last_stats.num_tree_steps == 0 and trainer.tlt_last_stats.num_target_forwards > 0
+
+
+def test_the_hybrid_drafters_state_round_trips():
+    """Resume: the running means and step counts (its own and its lookups-only twin's) are restored as saved."""
+    drafter = HybridDrafter(learned=object())
+    drafter.values = {((1, 4, 6), "lookup"): 2.5, ((2, 3, 6), "learned"): 1.5}
+    drafter._steps = 7
+    lookups = drafter.lookups_only()
+    lookups.values, lookups._steps = {((1, 2, 6), "lookup"): 0.5}, 3
+    restored = HybridDrafter(learned=object())
+    restored.load_state_dict(drafter.state_dict())
+    assert restored.values == drafter.values and restored._steps == 7
+    assert restored.lookups_only().values == lookups.values and restored.lookups_only()._steps == 3

@@ -1,13 +1,12 @@
 """TLTGRPOTrainer is a drop-in GRPOTrainer: same constructor, same results (greedy), tlt/ metrics, clear errors."""
 
 import inspect
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.utils import GenerationMixin
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
@@ -335,7 +334,7 @@ def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, 
     checkpoint = tmp_path / "checkpoint-1"
     saved = Eagle3Model.from_pretrained(checkpoint / "drafter", trainer.model).export_state_dict()
     assert torch.equal(saved["fc.weight"], trainer.tlt_drafter.model.fc.weight)
-    history = json.loads((checkpoint / "tlt_history" / "rank0.json").read_text())  # hybrid drafting's prompt history
+    history = torch.load(checkpoint / "tlt_state" / "rank0.pt", weights_only=True)["history"]  # the prompt history
     assert history == trainer.tlt_hybrid.history.state_dict() and history["entries"]
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
@@ -352,6 +351,58 @@ def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, 
     resumed.train(resume_from_checkpoint=str(checkpoint))
     for name, tensor in resumed.tlt_drafter.model.export_state_dict().items():
         assert torch.equal(tensor, saved[name]), name
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["eagle3", "hybrid"])
+def test_a_resumed_run_samples_as_the_uninterrupted_one(tiny_model_dirs, tmp_path, hybrid):
+    """Sampled rollouts, spot training on (exact step counts), the bandit's modelled costs: resumed from the checkpoint
+    of step 2, steps 3-4 sample the same completions and end with the same policy and drafter as the uninterrupted
+    run. Mutations caught (each run once): the engine's generator not restored (the resumed run replayed step 1's
+    draws), the bandit's statistics not restored, spot training's state (buffer, optimizer, sampling stream) not
+    restored. The hybrid's running means are saved too (their round trip: test_hybrid.py); here they decide alike
+    whether restored or not."""
+    extra = dict(
+        spot_training=True, spot_steps_per_rollout=2, spot_tokens_per_step=64, max_steps=4, save_strategy="steps",
+        save_steps=2, hybrid_drafting=hybrid,
+    )  # fmt: skip
+    # the bandit on its modelled costs; with hybrid drafting a fixed k, so that lookups draft at every step
+    extra |= (
+        {"speculative_selector": "fixed", "num_speculative_tokens": 3} if hybrid else {"selector_deterministic": True}
+    )
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
+    with torch.no_grad():  # hybrid: peaked, siblings repeat each other, so the lookups match and their state matters
+        policy.lm_head.weight.mul_(8.0 if hybrid else 1.0)
+    policy.save_pretrained(tmp_path / "policy")
+    AutoTokenizer.from_pretrained(tiny_model_dirs["qwen2"]).save_pretrained(tmp_path / "policy")
+
+    def run(output_dir, resume=None):
+        seen = []
+
+        def reward(completions, **kwargs):
+            seen.append(list(completions))
+            return [float(len(c)) for c in completions]
+
+        trainer = TLTGRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tmp_path / "policy"),
+            reward_funcs=reward,
+            args=TLTConfig(**config_kwargs(output_dir, **extra)),
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, seen
+
+    full, full_seen = run(tmp_path / "full")
+    resumed, resumed_seen = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
+    assert len(full_seen) == 4 and resumed_seen == full_seen[2:]
+    assert full.tlt_last_stats.num_accepted_tokens > 0  # the drafter drafted, so its state mattered
+    assert not hybrid or full.tlt_hybrid.values  # so did the lookups' running means
+    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(
+        full.tlt_drafter.model.named_parameters(), resumed.tlt_drafter.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
 
 
 def fake_hub(monkeypatch) -> dict:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from trl_tlt.trainer import DRAFTER_DIR, SPOT_STATE_NAME
+from trl_tlt.trainer import DRAFTER_DIR, ROLLOUT_STATE_NAME
 
 
 HELPER = str(Path(__file__).with_name("_spot_run.py"))
@@ -88,7 +88,7 @@ def assert_resumes_intact(checkpoint, model_dir, output_dir):
         assert torch.equal(seen["policy"][name], tensor), name
     for name, tensor in load_file(str(checkpoint / DRAFTER_DIR / "model.safetensors")).items():
         assert torch.equal(seen["drafter"][name], tensor), name
-    spot_state = torch.load(checkpoint / DRAFTER_DIR / SPOT_STATE_NAME, weights_only=True)
+    spot_state = torch.load(checkpoint / ROLLOUT_STATE_NAME.format(rank=0), weights_only=True)["spot"]
     assert seen["spot_steps"] == spot_state["total_steps"] == step * trainer.args.spot_steps_per_rollout
     assert trainer.state.global_step == step + 1
 

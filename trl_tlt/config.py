@@ -116,8 +116,10 @@ class TLTConfig(GRPOConfig):
         spot_learning_rate (`float`, *optional*, defaults to `3e-5`):
             AdamW learning rate of the drafter in the warm regime (after 10 warm-up steps, and after the cold start).
         spot_steps_per_rollout (`int` or `None`, *optional*, defaults to `None`):
-            With one process: exactly this many drafter steps between two rollouts, instead of `spot_time_budget`
-            (a count that does not depend on timing). `None`: the time budget decides.
+            Exactly this many drafter steps per rollout on every rank, a count that does not depend on timing (runs,
+            and resumed runs, repeat exactly): with one process instead of `spot_time_budget`, with several instead
+            of training while the other ranks still generate (a rank whose rollout ends early takes its steps, then
+            waits). `None`: the time budget (one process) or the ranks' idle time (several) decides.
         spot_cold_start_steps (`int` or `None`, *optional*, defaults to `None`):
             Drafter steps of a new head's cold start: the learning rate starts at 2e-3 (what offline warm starts use)
             and follows a cosine down to `spot_learning_rate` over this many drafter steps. `None`: 600 for a new

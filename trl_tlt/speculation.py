@@ -66,6 +66,13 @@ class SpeculationPolicy:
     def update(self, batch_size: int, arm: Arm, num_emitted_tokens: int, seconds: float) -> None:
         """Feedback after the step (for adaptive policies)."""
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to choose as this one would (adaptive policies: their statistics)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
 
 class FixedSpeculation(SpeculationPolicy):
     """The same drafter and k at every batch size (k = 0: no speculation).
@@ -183,6 +190,20 @@ class BanditSpeculation(SpeculationPolicy):
         keep = 1.0 - self.decay
         s.tokens = keep * s.tokens + num_emitted_tokens
         s.seconds = keep * s.seconds + seconds
+
+    def state_dict(self) -> dict:
+        stats = {
+            bucket: [(tuple(arm), s.tokens, s.seconds, s.count) for arm, s in arms.items()]
+            for bucket, arms in self._stats.items()
+        }
+        return {"stats": stats, "rng": self._rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._stats.clear()
+        for bucket, rows in state["stats"].items():
+            for arm, tokens, seconds, count in rows:
+                self._stats[bucket][Arm(*arm)] = _ArmStats(tokens, seconds, count)
+        self._rng.setstate(state["rng"])
 
     def best_arms(self) -> dict[int, Arm]:
         """The current greedy choice of every bucket seen so far (bucket upper bound -> arm)."""

@@ -227,3 +227,17 @@ class HybridDrafter(Drafter):
     def select(self, rows: torch.Tensor) -> None:
         if self.learned is not None:
             self.learned.select(rows)
+
+    def state_dict(self) -> dict:
+        """The running means and the step count (the history saves itself: `PromptHistory.state_dict`), and those of
+        `lookups_only()`'s drafter."""
+        state = {"values": list(self.values.items()), "steps": self._steps}
+        if self._lookups_only is not None and self._lookups_only is not self:
+            state["lookups_only"] = self._lookups_only.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = {(tuple(key), choice): value for (key, choice), value in state["values"]}
+        self._steps = int(state["steps"])
+        if "lookups_only" in state:
+            self.lookups_only().load_state_dict(state["lookups_only"])

@@ -72,8 +72,21 @@ class DataBuffer:
         return take_tokens(pool, max_tokens)
 
     def state_dict(self) -> dict:
-        """Metadata only (the sequences are refilled by the next rollout)."""
-        return {"window": self.window, "max_tokens": self.max_tokens, "num_added": self.num_added}
+        """The buffered sequences (a resumed run trains on what the uninterrupted one would) and the count that decides
+        which are held out."""
+
+        def rows(samples):
+            return [(s.token_ids, s.prompt_length) for s in samples]
+
+        return {
+            "num_added": self.num_added,
+            "rollouts": [rows(rollout) for rollout in self.rollouts],
+            "held_out": rows(self.held_out),
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a saved buffer (one saved without its sequences, before they were checkpointed, restores the count
+        alone: the next rollouts refill it)."""
         self.num_added = int(state["num_added"])
+        self.rollouts = deque([DrafterSample(list(t), int(n)) for t, n in r] for r in state.get("rollouts", []))
+        self.held_out = [DrafterSample(list(t), int(n)) for t, n in state.get("held_out", [])]

@@ -306,14 +306,21 @@ class SpotTrainer:
         return stats
 
     def run_while_idle(self, policy: PreTrainedModel) -> SpotStats:
-        """Several processes: train until every rank's rollout is done, then merge the ranks' drafters."""
+        """Several processes: train until every rank's rollout is done, then merge the ranks' drafters. With
+        `steps_per_phase`, every rank takes exactly that many steps first, whatever the timing (runs repeat exactly)."""
         stats = SpotStats()
         start = time.perf_counter()
         self._phase_resets = 0
         self.check_weights()
+        if self.steps_per_phase is not None and self.buffer.samples:
+            stats.eval_acceptance_length = self.evaluate(policy)
+            while stats.steps < self.steps_per_phase and (loss := self.step(policy)) is not None:
+                stats.steps += 1
+                stats.losses.append(loss)
+            stats.seconds_used = time.perf_counter() - start
         barrier = dist.barrier(group=self.group, async_op=True)
         done = barrier.is_completed
-        if not done() and self.buffer.samples:
+        if self.steps_per_phase is None and not done() and self.buffer.samples:
             stats.eval_acceptance_length = self.evaluate(policy, preempt=done)
             while not done():
                 loss = self.step(policy, preempt=done)
@@ -384,6 +391,8 @@ class SpotTrainer:
             "total_resets": self.total_resets,
             "buffer": self.buffer.state_dict(),
             "budget": self.budget.state_dict(),
+            "rng": self.rng.getstate(),
+            "step_seconds": self._step_seconds,
         }
         if self.vocab is not None:
             state["vocab"] = self.vocab.state_dict()
@@ -397,6 +406,9 @@ class SpotTrainer:
         self.buffer.load_state_dict(state["buffer"])
         if "budget" in state:  # checkpoints written before the time budget have none
             self.budget.load_state_dict(state["budget"])
+        if "rng" in state:  # nor, before the per-rank state, the sampling stream
+            self.rng.setstate(state["rng"])
+            self._step_seconds = state["step_seconds"]
         if self.vocab is not None and "vocab" in state:
             self.vocab.load_state_dict(state["vocab"])
         self.fit_vocab = False  # a resumed head was fitted (or chosen) before it was saved

@@ -1,8 +1,8 @@
 """`TLTGRPOTrainer`: the trainer's wiring (`trainer.py`) and the concerns it mixes in, one module each."""
 
-from .drafter_checkpoints import DRAFTER_DIR, SPOT_STATE_NAME
+from ..vllm_check import SAMPLING_LOGPROB_TOLERANCE
+from .drafter_checkpoints import DRAFTER_DIR, ROLLOUT_STATE_NAME
 from .trainer import TLTGRPOTrainer
-from .vllm_rollouts import SAMPLING_LOGPROB_TOLERANCE
 
 
-__all__ = ["DRAFTER_DIR", "SAMPLING_LOGPROB_TOLERANCE", "SPOT_STATE_NAME", "TLTGRPOTrainer"]
+__all__ = ["DRAFTER_DIR", "ROLLOUT_STATE_NAME", "SAMPLING_LOGPROB_TOLERANCE", "TLTGRPOTrainer"]

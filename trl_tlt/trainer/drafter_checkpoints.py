@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -21,13 +20,17 @@ from ..drafters.eagle3 import Eagle3Model
 logger = logging.get_logger(__name__)
 
 DRAFTER_DIR = "drafter"  # inside every checkpoint folder
-HISTORY_NAME = "tlt_history/rank{rank}.json"  # each rank's prompt history (hybrid_drafting), in every checkpoint
-SPOT_STATE_NAME = "spot_state.pt"  # drafter optimizer, scheduler, step count and buffer metadata (spot training)
+# Each rank's rollout state, in every checkpoint: what a resumed run needs to sample and train as the uninterrupted one
+# would (the sampling generator, the speculation policies' statistics, the hybrid drafter's running means and prompt
+# history, spot training's optimizer, schedule, buffer and sampling stream).
+ROLLOUT_STATE_NAME = "tlt_state/rank{rank}.pt"
+HISTORY_NAME = "tlt_history/rank{rank}.json"  # read from checkpoints written before ROLLOUT_STATE_NAME
+SPOT_STATE_NAME = "spot_state.pt"  # likewise, in drafter/ (the first rank's spot training state)
 
 
 class DrafterCheckpoints:
     """Mixed into `TLTGRPOTrainer`. The drafter saved beside every checkpoint (in the background) with each rank's
-    prompt history, restored on resume, exported for vLLM / SGLang and pushed to the Hub with a model card."""
+    rollout state, restored on resume, exported for vLLM / SGLang and pushed to the Hub with a model card."""
 
     def save_drafter(self, path: str | os.PathLike) -> None:
         """Save the drafter: EAGLE-3 in the layout vLLM and SGLang load, a small LM with `save_pretrained`."""
@@ -80,7 +83,7 @@ class DrafterCheckpoints:
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        self._save_history(folder)
+        self._save_rollout_state(folder)
         drafter = self._trainable_drafter()
         if drafter is None or not self.args.should_save:
             return
@@ -90,7 +93,6 @@ class DrafterCheckpoints:
             weights = {k: v.to("cpu", copy=True) for k, v in drafter.export_state_dict().items()}
         else:
             weights = {k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()}
-        spot_state = copy.deepcopy(self.tlt_spot.state_dict()) if self.tlt_spot is not None else None
 
         save_kwargs = {}
         if isinstance(drafter, Eagle3Model):
@@ -101,8 +103,6 @@ class DrafterCheckpoints:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 drafter.save_pretrained(tmp, state_dict=weights, **save_kwargs)
-                if spot_state is not None:
-                    torch.save(spot_state, tmp / SPOT_STATE_NAME)
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
             except BaseException as error:  # re-raised by join_drafter_writes, in the training thread
@@ -113,19 +113,51 @@ class DrafterCheckpoints:
         self._drafter_writer = threading.Thread(target=write, name="tlt-drafter-checkpoint")
         self._drafter_writer.start()
 
-    def _history_path(self, folder: Path) -> Path:
-        return folder / HISTORY_NAME.format(rank=self.accelerator.process_index)
+    def _rollout_state(self) -> dict:
+        """This rank's rollout state (`ROLLOUT_STATE_NAME`)."""
+        state = {"generator": self._tlt_generator.get_state(), "speculation": self.tlt_speculation.state_dict()}
+        if self._tlt_lookup_speculation is not self.tlt_speculation:
+            state["lookup_speculation"] = self._tlt_lookup_speculation.state_dict()
+        if self.tlt_hybrid is not None:
+            state["hybrid"] = self.tlt_hybrid.state_dict()
+        if self.tlt_history is not None:
+            state["history"] = self.tlt_history.state_dict()
+        if self.tlt_spot is not None:
+            state["spot"] = self.tlt_spot.state_dict()
+        return state
 
-    def _save_history(self, folder: Path) -> None:
-        """Every rank writes its own prompt history (`hybrid_drafting`), written to a temporary file and renamed."""
-        history = self.tlt_history
-        if history is None:
-            return
-        path = self._history_path(folder)
+    def _save_rollout_state(self, folder: Path) -> None:
+        """Every rank writes its own rollout state, to a temporary file then renamed."""
+        path = folder / ROLLOUT_STATE_NAME.format(rank=self.accelerator.process_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(history.state_dict()))
+        torch.save(self._rollout_state(), tmp)
         os.replace(tmp, path)
+
+    def _load_rollout_state(self, folder: Path) -> None:
+        """This rank's rollout state, or from a checkpoint written before it existed, what that one kept: the prompt
+        history (a JSON per rank) and the first rank's spot training state (in drafter/)."""
+        rank = self.accelerator.process_index
+        path = folder / ROLLOUT_STATE_NAME.format(rank=rank)
+        if path.is_file():
+            state = torch.load(path, weights_only=True)
+        else:
+            state = {}
+            if (folder / HISTORY_NAME.format(rank=rank)).is_file():
+                state["history"] = json.loads((folder / HISTORY_NAME.format(rank=rank)).read_text())
+            if (folder / DRAFTER_DIR / SPOT_STATE_NAME).is_file():
+                state["spot"] = torch.load(folder / DRAFTER_DIR / SPOT_STATE_NAME, weights_only=True)
+        if "generator" in state:
+            self._tlt_generator.set_state(state["generator"])
+            self.tlt_speculation.load_state_dict(state["speculation"])
+        if "lookup_speculation" in state:
+            self._tlt_lookup_speculation.load_state_dict(state["lookup_speculation"])
+        if self.tlt_hybrid is not None and "hybrid" in state:
+            self.tlt_hybrid.load_state_dict(state["hybrid"])
+        if self.tlt_history is not None and "history" in state:
+            self.tlt_history.load_state_dict(state["history"])
+        if self.tlt_spot is not None and "spot" in state:
+            self.tlt_spot.load_state_dict(state["spot"])
 
     def join_drafter_writes(self) -> None:
         """Wait for the background drafter checkpoint write, if any (called before the next one and at train end);
@@ -143,11 +175,10 @@ class DrafterCheckpoints:
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        history_path = self._history_path(Path(resume_from_checkpoint))
-        if (
-            self.tlt_history is not None and history_path.is_file()
-        ):  # a checkpoint without one: the history starts empty
-            self.tlt_history.load_state_dict(json.loads(history_path.read_text()))
+        self._load_drafter(Path(resume_from_checkpoint))
+        self._load_rollout_state(Path(resume_from_checkpoint))
+
+    def _load_drafter(self, resume_from_checkpoint: Path) -> None:
         drafter = self._trainable_drafter()
         if drafter is None:
             return
@@ -172,6 +203,3 @@ class DrafterCheckpoints:
             set_peft_model_state_dict(drafter, load_file(str(path / "adapter_model.safetensors")))
         else:
             drafter.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
-        spot_path = path / SPOT_STATE_NAME
-        if self.tlt_spot is not None and spot_path.is_file():
-            self.tlt_spot.load_state_dict(torch.load(spot_path, weights_only=True))

@@ -37,6 +37,7 @@ from .callbacks import GracefulStop, JoinDrafterWrites
 from .drafter_checkpoints import DrafterCheckpoints
 from .drafter_setup import DrafterSetup
 from .generation_settings import GenerationSettings
+from .rollout import RolloutTurn
 from .vllm_rollouts import VLLMRollouts
 
 
@@ -99,6 +100,8 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
         # One stream per rank: ranks sample different prompts, but their noise must not be correlated either.
         seed = self.args.seed + self.accelerator.process_index
         self._tlt_generator = torch.Generator(device=self.accelerator.device).manual_seed(seed)
+        self._tlt_turns: list[RolloutTurn] | None = None  # the current rollout's generation turns (None: none open)
+        self._tlt_rollout_speculated = False  # whether vLLM speculated in the latest rollout
 
     def _sampling_params(self, model) -> SamplingParams:
         config = self._generation_config(model)
@@ -138,12 +141,38 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
             finally:
                 unwrapped_model.train(was_training)
 
+    # One rollout = one `_generate` call (GRPOTrainer makes one per generation batch, on every rank); with tools it has
+    # one generation turn per tool turn, a number that differs from rank to rank. What involves the other ranks (spot
+    # training's barrier and merge, the vLLM drafter's watch) or learns from the whole rollout (the prompt history)
+    # runs once per rollout, at its end (`_end_rollout`), so that every rank runs the same collectives in the same order.
+    def _generate(self, prompts):
+        self._tlt_turns = []
+        output = super()._generate(prompts)
+        self._end_rollout()  # where `_generate_single_turn` or `_tool_call_loop` did not end it already
+        return output
+
+    def _tool_call_loop(self, *args, **kwargs):
+        output = super()._tool_call_loop(*args, **kwargs)
+        self._end_rollout()  # the rollout's last turn is done: before `_generate` waits for the other ranks
+        return output
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        own_rollout = self._tlt_turns is None  # called outside `_generate`: a rollout of its own
+        if own_rollout:
+            self._tlt_turns = []
+        output = self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        # Without tools or a rollout_func, `_generate` makes this one call: the rollout ends here, before `_generate`
+        # gathers from the other ranks (the time spot training uses is this rank's wait for them).
+        if own_rollout or (not self.tools and self.rollout_func is None):
+            self._end_rollout()
+        return output
+
+    def _generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
+        """One generation turn: trl-tlt's engine, vLLM (`_generate_with_vllm`), or GRPOTrainer's own generation."""
         reason = self._stock_generation_reason(images, multimodal_fields)
         if reason is None and self.use_vllm:
             return self._generate_with_vllm(prompt_ids, num_generations, has_tool_images)
         if reason is None:
-            training = self.model.training
             with profiling_context(self, "tlt.generate"), self._unwrapped_for_generation() as unwrapped_model:
                 if not self._tlt_engine_checked:  # once, on the real policy (gathered, in eval mode)
                     self._tlt_engine_checked = True
@@ -161,17 +190,37 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
                     out = engine.generate(
                         prompt_ids, params, generator=self._tlt_generator, padded_width=self._padded_width(prompt_ids)
                     )
-                    if self.tlt_history is not None and training:
-                        self.tlt_history.add(prompt_ids, out.completion_ids)
-                    if self.tlt_spot is not None and training:
-                        self._spot_phase(unwrapped_model, prompt_ids, out.completion_ids, out.stats.total_s)
             if reason is None:
+                self._tlt_turns.append(RolloutTurn(prompt_ids, out.completion_ids, out.stats.total_s))
                 self._log_rollout_stats(out.stats)
                 # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
                 return out.completion_ids, None
             self._refuse_spot_training_without_engine()
         self._note_stock_generation(reason)
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _end_rollout(self) -> None:
+        """Once per rollout, on every rank (see `_generate`), training only: its turns into the prompt history, the
+        vLLM drafter watched, the drafter trained (spot training) and pushed into vLLM."""
+        turns, self._tlt_turns = self._tlt_turns, None
+        if turns is None:
+            return
+        self._tlt_rollout_speculated = any(turn.spec_stats is not None for turn in turns)  # vLLM's (the check)
+        if not self.model.training:
+            return
+        prompts = [p for turn in turns for p in turn.prompt_ids]
+        completions = [list(c) for turn in turns for c in turn.completion_ids]
+        if self.tlt_history is not None:
+            self.tlt_history.add(prompts, completions)
+        if self.use_vllm:
+            self._end_vllm_rollout(turns)
+        if self.tlt_spot is not None and (not self.use_vllm or self.vllm_generation.speculating):
+            seconds = sum(turn.seconds for turn in turns)
+            with self._unwrapped_for_generation() as unwrapped_model:
+                self._spot_phase(unwrapped_model, prompts, completions, seconds)
+            if self.use_vllm:
+                with profiling_context(self, "tlt.sync_drafter"):
+                    self.vllm_generation.sync_drafter()
 
     def _padded_width(self, prompt_ids: list[list[int]]) -> int:
         """The width GRPOTrainer's `generate` left-pads this batch of prompts to (`pad_to_multiple_of` included)."""
@@ -225,7 +274,8 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
     def _spot_phase(self, policy, prompt_ids, completion_ids, rollout_seconds: float) -> None:
         """This rank's rollouts are done: buffer them and train the drafter (idle time, or the time budget)."""
         spot = self.tlt_spot
-        spot.observe_rollout(prompt_ids, completion_ids)
+        if prompt_ids:  # a rollout with no turn of ours (a rollout_func's own generation) still joins the others
+            spot.observe_rollout(prompt_ids, completion_ids)
         with profiling_context(self, "tlt.spot_training"):
             if spot.group is None:
                 stats = spot.run_between_rollouts(policy, rollout_seconds)

