@@ -12,7 +12,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-vllm lint lock clean
+.PHONY: demo test test-slow test-vllm lint lock clean
 
 $(VENV)/.installed: pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# CI's second stage: the tests marked `slow` (multi-process launches, heavier statistics); fails when none ran.
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow --junitxml=$(VENV)/slow-tests.xml
+	$(PY) tests/_count_passed.py $(VENV)/slow-tests.xml
 
 # Fails when vLLM does not import, and when no vLLM test ran or one was skipped (the tests skip without vLLM).
 test-vllm: $(VENV_VLLM)/.installed

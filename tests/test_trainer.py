@@ -405,6 +405,36 @@ def test_a_resumed_run_samples_as_the_uninterrupted_one(tiny_model_dirs, tmp_pat
         assert torch.equal(a, b), name
 
 
+def test_a_lora_drafter_trains_its_adapters_and_resumes(tiny_model_dirs, tmp_path):
+    """drafter_model_name_or_path = a peft adapter folder (LoRA on the drafter LM), every default: spot training trains
+    the adapters alone (transformers loads them frozen: spot training refused to start, "no trainable parameters"),
+    and a resumed run restores them as saved."""
+    from peft import LoraConfig, get_peft_model
+
+    adapter = tmp_path / "lora-drafter"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"])
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(adapter)
+    extra = {"drafter_type": "model", "drafter_model_name_or_path": str(adapter), "spot_steps_per_rollout": 2}
+    trainer = train_one_step(
+        TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, save_strategy="steps", save_steps=1, **extra
+    )
+    drafter = trainer.tlt_drafter.model
+    trained = {n: p.detach().clone() for n, p in drafter.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert trainer.tlt_spot.total_steps == 2
+    trainer.join_drafter_writes()
+    resumed = TLTGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]),
+        reward_funcs=reward_len,
+        args=TLTConfig(**config_kwargs(tmp_path / "resumed", **extra)),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+    )
+    resumed._load_from_checkpoint(str(tmp_path / "checkpoint-1"))
+    for name, param in resumed.tlt_drafter.model.named_parameters():
+        if name in trained:
+            assert torch.equal(param, trained[name]), name
+
+
 def fake_hub(monkeypatch) -> dict:
     """Replace `huggingface_hub.HfApi` (the Hub boundary: never called for real in tests); returns what it was given:
     the token, the repo created, the uploaded files' names and their texts (Markdown and JSON)."""

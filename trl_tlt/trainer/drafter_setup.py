@@ -36,6 +36,18 @@ COLD_START_STEPS = 600
 NEW_HEAD_WARMUP_PHASES = 3
 
 
+def _train_adapters_only(model: torch.nn.Module) -> None:
+    """A drafter LM loaded with peft adapters (LoRA and the like): the adapters' parameters train, the base model's
+    stay frozen (transformers loads adapters for inference, every parameter frozen)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            for name in module.adapter_layer_names:
+                getattr(module, name).requires_grad_(True)
+
+
 def _num_parameters(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -103,6 +115,8 @@ class DrafterSetup:
                 f"Cannot load the drafter LM `drafter_model_name_or_path={path!r}` (a causal LM saved with "
                 f"save_pretrained, safetensors weights): {error}"
             ) from error
+        if getattr(drafter_lm, "_hf_peft_config_loaded", False):  # a peft adapter folder: its adapters train alone
+            _train_adapters_only(drafter_lm)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         drafter_vocab = drafter_lm.config.get_text_config().vocab_size
         if drafter_vocab < len(tokenizer):
