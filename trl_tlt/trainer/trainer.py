@@ -26,12 +26,13 @@ from trl.trainer import grpo_trainer
 
 from ..config import TLTConfig, as_tlt_config
 from ..drafters import Drafter
-from ..engine import GenerationStats, SpeculativeEngine
+from ..engine import SpeculativeEngine
 from ..kv_cache import ragged_cache_mismatch
 from ..micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
 from ..sampling import SamplingParams
 from ..speculation import FixedSpeculation, SpeculationPolicy, batch_size_bucket
 from ..spot import SpotStats
+from ..stats import GenerationStats
 from ..vllm_generation import DrafterWatchdog
 from .callbacks import GracefulStop, JoinDrafterWrites
 from .drafter_checkpoints import DrafterCheckpoints
@@ -205,7 +206,9 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
         turns, self._tlt_turns = self._tlt_turns, None
         if turns is None:
             return
-        self._tlt_rollout_speculated = any(turn.spec_stats is not None for turn in turns)  # vLLM's (the check)
+        # Whether vLLM may have speculated (the check of its samples): a server's speculation is not reported.
+        server = self.use_vllm and self.args.vllm_mode == "server"
+        self._tlt_rollout_speculated = server or any(turn.spec_stats is not None for turn in turns)
         if not self.model.training:
             return
         prompts = [p for turn in turns for p in turn.prompt_ids]

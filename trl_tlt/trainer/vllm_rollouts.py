@@ -140,6 +140,12 @@ class VLLMRollouts:
         tokens_seen = self.state.num_input_tokens_seen
         output = super()._generate_and_score_completions(inputs)
         check = self._check_vllm_samples(output)
+        if check is not None and check.faulty and self.args.vllm_mode == "server":
+            raise RuntimeError(
+                f"The vLLM server's samples failed the check of the policy's ({check.describe()}): they may not be "
+                "the policy's, and a server's speculation cannot be turned off from here. Serve the policy without "
+                "--speculative_config (or fix the server's drafter) and resume from the last checkpoint."
+            )
         if check is not None and check.faulty:
             # Never train on samples that may not be the policy's: this batch is generated again, without speculation
             # (the first attempt's logged metrics are discarded with it).
