@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import numpy as np  # noqa: E402
 
-from trl_tlt.tooling.provenance import stamp  # noqa: E402
+from trl_tlt.tooling.provenance import machine, stamp  # noqa: E402
 from trl_tlt.tooling.simulator import (  # noqa: E402
     Backend,
     Cluster,
@@ -160,8 +159,7 @@ def measure(args) -> dict:
         ]
     return {
         "benchmark": "simulator_calibration",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads",
+        "machine": machine(),
         "policy": policy_path.name,
         "drafter": drafter_path.name,
         "batch": f"{args.prompts} prompts x {args.group} samples, T = 1, max {args.max_completion_length} tokens",
@@ -412,7 +410,7 @@ def predict(args) -> dict:
         "backends": 3,
         "steps": 20,
         "seconds": time.perf_counter() - start,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
     }
     print(f"512 instances x 2,048 sequences x 3 back-ends x 20 steps: {out['timing']['seconds']:.1f} s")
     return out

@@ -18,11 +18,37 @@ import torch
 _STARTED = time.perf_counter()  # the process's start, near enough: the scripts import this first thing
 
 
+# The vector extensions that decide which kernels torch runs on a CPU (and so its float round-off): named in `machine`.
+_VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "neon", "sve", "asimd")
+
+
+def processor() -> str:
+    """The CPU's model and its vector extensions (from /proc/cpuinfo on Linux; the platform's name elsewhere)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model") and name in ("", platform.machine(), platform.processor()):
+                    name = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    vector = [flag for flag in _VECTOR_FLAGS if flag in flags]
+    return f"{name} ({' '.join(vector)})" if vector else name
+
+
 def machine() -> str:
-    """The machine a run was on: architecture, cores, torch version and threads, and the GPU if torch has one."""
+    """The machine a run was on: architecture, CPU model and vector extensions, cores, torch version and threads, and
+    the GPU if torch has one."""
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     cores = os.cpu_count()
-    return f"{platform.machine()}, {cores} cores, torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}"
+    return (
+        f"{platform.machine()}, {processor()}, {cores} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads{gpu}"
+    )
 
 
 def commit() -> str:
