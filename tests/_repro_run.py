@@ -12,7 +12,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_drop_in import make_trainer, recorder  # noqa: E402
+from testing_utils import make_trainer, recorder  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402

@@ -21,8 +21,7 @@ for _var, _value in {
 import torch  # noqa: E402
 import vllm  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from test_vllm_colocate import assert_draft_model_equals  # noqa: E402
-from test_vllm_smoke import rule_sequences  # noqa: E402
+from testing_utils import assert_draft_model_equals, rule_sequences  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402

@@ -73,11 +73,11 @@ def tiny_model_f64(request, tokenizer):
 def rule_policy(tokenizer, tmp_path_factory):
     """A policy that learned x[t] = x[t-1] + x[t-2] (mod 50) and a warm-start EAGLE-3 head for it (k = 3), saved
     (the vLLM tests)."""
-    from test_vllm_smoke import rule_sequences, train_rule_policy
+    from testing_utils import rule_sequences, train_rule_policy
 
-    from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
     from trl_tlt.drafters.eagle3 import Eagle3Model, eagle3_config
-    from trl_tlt.sampling import SamplingParams
+    from trl_tlt.engine.sampling import SamplingParams
+    from trl_tlt.training.distillation import DistillConfig, generate_samples, train_drafter
 
     policy, g = train_rule_policy(tokenizer)
     head = Eagle3Model(

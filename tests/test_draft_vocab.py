@@ -14,10 +14,10 @@ from trl_tlt.drafters.draft_vocab import (
     prior_draft_ids,
 )
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.sampling import SamplingParams
-from trl_tlt.spot import DataBuffer, SpotSchedule, SpotTrainer
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.sampling import SamplingParams
 from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer, extend_vocabulary
+from trl_tlt.training.spot import DataBuffer, SpotSchedule, SpotTrainer
 
 
 BIG_VOCAB = 40_000  # above DEFAULT_DRAFT_VOCAB_SIZE (32,768): a new head drafts over a reduced vocabulary

@@ -5,7 +5,11 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
-from trl_tlt.drafter_training import (
+from trl_tlt.drafters import ModelDrafter
+from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
+from trl_tlt.engine.sampling import SamplingParams
+from trl_tlt.tooling.tiny import build_tiny_model
+from trl_tlt.training.distillation import (
     DistillConfig,
     DrafterSample,
     distill_kl,
@@ -15,10 +19,6 @@ from trl_tlt.drafter_training import (
     policy_features,
     train_drafter,
 )
-from trl_tlt.drafters import ModelDrafter
-from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
-from trl_tlt.sampling import SamplingParams
-from trl_tlt.tooling.tiny import build_tiny_model
 
 
 def test_chunked_kl_equals_full_kl():
@@ -61,6 +61,7 @@ def trained_setup(tokenizer):
     return policy, params, samples, prompts[128:]
 
 
+@pytest.mark.slow
 def test_eagle3_training_raises_acceptance(trained_setup):
     policy, params, samples, held_out = trained_setup
     head = Eagle3Model(

@@ -11,35 +11,17 @@ from unittest.mock import patch
 import pytest
 import torch
 from datasets import Dataset
-from test_trainer import PROMPTS, config_kwargs, reward_len
+from testing_utils import PROMPTS, config_kwargs, make_trainer, multiply_tool, recorder, tool_calling_policy
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
 from trl_tlt.drafters.eagle3 import Eagle3Model
 from trl_tlt.tooling.tiny import build_tiny_model
+from trl_tlt.trainer.generation_settings import sampling_params
 
 
 HERE = Path(__file__).parent
-
-
-def make_trainer(trainer_cls, config_cls, model, tmp_path, rewards=reward_len, processing_class=None, **overrides):
-    args = config_cls(**config_kwargs(tmp_path, **overrides))
-    return trainer_cls(
-        model=model,
-        reward_funcs=rewards,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
-        processing_class=processing_class,
-    )
-
-
-def recorder(seen: list):
-    def reward(completion_ids, **kwargs):
-        seen.extend(list(ids) for ids in completion_ids)
-        return [float(len(ids)) for ids in completion_ids]
-
-    return reward
 
 
 # ------------------------------------------------------------------------------ rollouts through a user's generate
@@ -219,6 +201,7 @@ def test_failed_background_drafter_write_is_raised(tiny_model_dirs, tmp_path, mo
 REPRO_SCRIPT = HERE / "_repro_run.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("selector", ["fixed", "deterministic_bandit"])
 def test_same_seed_same_completions(tiny_model_dirs, tmp_path, selector):
     """Sampled completions are fixed by `seed`: twice in this process (after other trainers ran) and in a fresh one.
@@ -264,7 +247,7 @@ def test_generation_settings_merge_as_in_generate(tiny_model_dirs, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
     model.generation_config.min_p = 0.05  # GRPOConfig leaves min_p unset: the model's value applies
     trainer = make_trainer(TLTGRPOTrainer, TLTConfig, model, tmp_path, generation_kwargs={"top_k": None})
-    params = trainer._sampling_params(trainer.model)
+    params = sampling_params(trainer.model, trainer.generation_config)
     assert params.min_p == 0.05 and params.top_k == 50 and params.temperature == 1.0 and params.do_sample
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
     model.generation_config.no_repeat_ngram_size = 3
@@ -274,56 +257,6 @@ def test_generation_settings_merge_as_in_generate(tiny_model_dirs, tmp_path):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
         trainer = make_trainer(TLTGRPOTrainer, TLTConfig, model, tmp_path, generation_kwargs=unreproducible)
         assert next(iter(unreproducible)) in trainer.tlt_fallback_reason and trainer.tlt_drafter is None
-
-
-# ------------------------------------------------------------------------------------------- tool calling
-def multiply_tool(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The product of the two integers.
-    """
-    return a * b
-
-
-TOOL_CALL = '<tool_call>\n{"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
-
-
-def tool_calling_policy(tokenizer):
-    """A tiny policy taught to answer any prompt with a call of `multiply_tool` (greedy), under Qwen2.5's chat
-    template, which TRL parses tool calls from."""
-    import copy
-
-    import trl
-
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
-    model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=3, max_position_embeddings=2048).train()
-    rows = []
-    for prompt in PROMPTS:
-        messages = [{"role": "user", "content": prompt}]
-        head = tokenizer.apply_chat_template(
-            messages, tools=[multiply_tool], add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer(head + TOOL_CALL)["input_ids"]
-        rows.append((ids, len(tokenizer(head)["input_ids"])))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        for _ in range(80):
-            for ids, start in rows:
-                labels = torch.tensor([ids])
-                labels[:, :start] = -100  # learn the answer only
-                loss = model(input_ids=torch.tensor([ids]), labels=labels).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-    return model.eval(), tokenizer
 
 
 def test_tool_calling_multi_turn_through_the_engine(tokenizer, tmp_path):

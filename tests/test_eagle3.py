@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.kv_cache import RaggedKVModel
-from trl_tlt.sampling import SamplingParams
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.kv_cache import RaggedKVModel
+from trl_tlt.engine.sampling import SamplingParams
 from trl_tlt.tooling.tiny import build_tiny_model
 
 
@@ -89,7 +89,7 @@ def test_packed_samples_do_not_attend_across(policy64):
 def test_draft_session_equals_cached_inference(policy64, draft_vocab_size):
     """The lean drafting path (`_DraftSession`) == `Eagle3Model.forward` through the ragged cache, for a chain and for
     a tree (each node attends to its own ancestors only), over a cache with holes."""
-    from trl_tlt.drafters.eagle3 import _DraftSession, _LeanHead
+    from trl_tlt.drafters.eagle3.lean import _DraftSession, _LeanHead
 
     head = make_head(policy64, draft_vocab_size)
     lean_head = _LeanHead(head)

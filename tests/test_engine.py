@@ -1,50 +1,26 @@
 """The speculative engine is lossless: greedy equality with `generate`, a chi-square test for sampling, exact
 logprobs, full acceptance for a self-drafter, and clear errors on bad input."""
 
-import dataclasses
-
 import pytest
 import torch
 from scipy.stats import chisquare
+from testing_utils import (
+    EOS,
+    NUM_SAMPLES,
+    SAMPLED_PROMPT,
+    LyingDrafter,
+    chi_square_pvalue,
+    hf_greedy,
+    make_drafter,
+    peaked_model,
+    random_prompts,
+    sampling_case,
+)
 
-from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
 from trl_tlt.drafters import Draft, ModelDrafter, NgramDrafter
-from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.sampling import SamplingParams, process_logits
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.sampling import SamplingParams, process_logits
 from trl_tlt.tooling.tiny import build_tiny_model
-
-
-EOS = 2
-
-
-def random_prompts(n, vocab, seed=0, max_len=12):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len, (n,), generator=g)
-    return [torch.randint(3, vocab, (int(length),), generator=g).tolist() for length in lengths]
-
-
-def hf_greedy(model, prompts, max_new_tokens, **kwargs):
-    out = []
-    for prompt in prompts:
-        ids = model.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS, **kwargs
-        )[0, len(prompt) :].tolist()
-        out.append(ids[: ids.index(EOS) + 1] if EOS in ids else ids)
-    return out
-
-
-def make_drafter(name, model, tokenizer):
-    if name == "ngram":
-        return NgramDrafter(max_n=3, min_n=1)
-    if name == "model":
-        small = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=1, seed=7, dtype=model.dtype)
-        return ModelDrafter(small, model.config.vocab_size)
-    if name == "eagle3":
-        torch.manual_seed(7)
-        head = Eagle3Model(eagle3_config(model.config), model.get_input_embeddings()).to(model.dtype)
-        return Eagle3Drafter(head)
-    return None
 
 
 @pytest.mark.parametrize("drafter_name", ["none", "ngram", "model", "eagle3"])
@@ -119,97 +95,6 @@ def test_self_drafter_accepts_everything(tokenizer):
         assert stats.num_target_forwards == 5
         assert stats.mean_acceptance_length == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts)
         assert stats.num_accepted_tokens_per_pos[0] == stats.num_drafts
-
-
-def peaked_model(tokenizer, seed=0, scale=20.0, noise=0.0):
-    """A random model with peaked next-token distributions (and optionally a perturbed twin as drafter)."""
-    model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=2, seed=seed, dtype=torch.float64)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-        if noise:
-            g = torch.Generator().manual_seed(seed + 100)
-            model.lm_head.weight.add_(
-                noise * torch.randn(model.lm_head.weight.shape, generator=g, dtype=torch.float64)
-            )
-    return model
-
-
-@torch.no_grad()
-def exact_sequence_distribution(model, prompt, params, length):
-    """p(x1..x_length) under the processed distribution, by enumerating the support: {(x1, ...): prob}."""
-    vocab = model.config.vocab_size
-    dist = {(): 1.0}
-    for _ in range(length):
-        prefixes = list(dist)
-        ids = torch.tensor([prompt + list(p) for p in prefixes])
-        seen = torch.zeros(len(prefixes), vocab, dtype=torch.bool).scatter_(1, ids, True)
-        probs = process_logits(model(ids).logits[:, -1], params, seen).exp()  # (P, V)
-        dist = {
-            prefix + (x,): dist[prefix] * float(probs[i, x])
-            for i, prefix in enumerate(prefixes)
-            for x in probs[i].nonzero().squeeze(1).tolist()
-        }
-    return dist
-
-
-def chi_square_pvalue(samples, expected_probs):
-    """Goodness of fit of token-tuple samples to expected probabilities; cells with expected count < 5 are pooled."""
-    n = len(samples)
-    counts = {}
-    for s in samples:
-        counts[s] = counts.get(s, 0) + 1
-    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
-    for cell, prob in expected_probs.items():
-        if prob * n >= 5:
-            observed.append(counts.pop(cell, 0))
-            expected.append(prob * n)
-        else:
-            pooled_obs += counts.pop(cell, 0)
-            pooled_exp += prob * n
-    assert not counts, f"samples outside the support: {list(counts)[:5]}"
-    if pooled_exp > 0:
-        observed.append(pooled_obs)
-        expected.append(pooled_exp)
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
-
-
-class ArgmaxDrafter(ModelDrafter):
-    """A deterministic drafter (q one-hot, `probs=None`), the path the n-gram drafter takes, with useful drafts."""
-
-    def propose(self, ctx, k):
-        greedy_ctx = dataclasses.replace(ctx, params=dataclasses.replace(ctx.params, do_sample=False))
-        draft = super().propose(greedy_ctx, k)
-        return Draft(draft.token_ids, draft.num_tokens, None)
-
-
-class LyingDrafter(ModelDrafter):
-    """Negative control: samples from q but reports a uniform q, which breaks rejection sampling."""
-
-    def propose(self, ctx, k):
-        draft = super().propose(ctx, k)
-        return Draft(draft.token_ids, draft.num_tokens, torch.full_like(draft.probs, 1.0 / draft.probs.size(-1)))
-
-
-SAMPLED_PROMPT = [11, 12, 13, 11, 12]
-NUM_SAMPLES = 8000
-
-
-def sampling_case(tokenizer, params, drafter_name, length):
-    """The chi-square set-up: a peaked policy, the exact distribution of its first `length` tokens after
-    SAMPLED_PROMPT, and a drafter: a perturbed twin ("model"), an EAGLE-3 head distilled for a few steps on the
-    policy's samples ("eagle3": it drafts close to the policy, so drafts are accepted at every depth and a fault on
-    the drafter's side shows) or the twin drafting its argmax ("deterministic")."""
-    model = peaked_model(tokenizer)
-    expected = exact_sequence_distribution(model, SAMPLED_PROMPT, params, length=length)
-    if drafter_name == "eagle3":
-        drafter = make_drafter("eagle3", model, tokenizer)
-        samples = generate_samples(model, [SAMPLED_PROMPT] * 64, dataclasses.replace(params, max_new_tokens=6))
-        config = DistillConfig(ttt_length=3, max_tokens_per_batch=256)
-        train_drafter(model, drafter.model, samples, epochs=8, learning_rate=3e-3, config=config, progress=False)
-        return model, expected, drafter
-    cls = ModelDrafter if drafter_name == "model" else ArgmaxDrafter
-    return model, expected, cls(peaked_model(tokenizer, noise=0.3), model.config.vocab_size)
 
 
 @pytest.mark.parametrize(
@@ -312,7 +197,7 @@ def test_ngram_drafter_copies_from_prompt_and_siblings():
 
 
 def test_bandit_over_several_drafters_stays_lossless(tiny_model_f64, tokenizer):
-    from trl_tlt.speculation import BanditSpeculation
+    from trl_tlt.engine.speculation import BanditSpeculation
 
     model = tiny_model_f64
     prompts = random_prompts(6, model.config.vocab_size, seed=9) * 2
@@ -352,7 +237,7 @@ class ShortDrafter(ModelDrafter):
 
 
 def test_verification_covers_only_the_longest_draft(tiny_model_f64, tokenizer, monkeypatch):
-    from trl_tlt.kv_cache import RaggedKVModel
+    from trl_tlt.engine.kv_cache import RaggedKVModel
 
     model = tiny_model_f64
     prompts = random_prompts(5, model.config.vocab_size, seed=6)
@@ -377,7 +262,7 @@ def test_growing_cache_layer_appends_in_place_and_equals_concatenation():
     crops, and writes appends into its spare room (no copy of the cache) until the room runs out."""
     from transformers.cache_utils import DynamicLayer
 
-    from trl_tlt.kv_cache import GrowingLayer
+    from trl_tlt.engine.kv_cache import GrowingLayer
 
     g = torch.Generator().manual_seed(0)
     grow, plain = GrowingLayer(), DynamicLayer()
@@ -415,7 +300,7 @@ def test_growing_cache_layer_appends_in_place_and_equals_concatenation():
 def test_sample_categorical_draws_from_the_distribution():
     """The drafters' sampler (inverse CDF, one uniform per row) is exact: chi-square against the distribution, never
     a zero-probability token (first or last), unnormalised rows fine."""
-    from trl_tlt.sampling import sample_categorical
+    from trl_tlt.engine.sampling import sample_categorical
 
     g = torch.Generator().manual_seed(0)
     probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0], dtype=torch.float64)

@@ -24,13 +24,13 @@ import torch
 from scipy.stats import chisquare
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import trl_tlt.engine as engine_module
-import trl_tlt.rejection_sampler as rejection_module
+import trl_tlt.engine.generate as engine_module
+import trl_tlt.engine.rejection_sampler as rejection_module
 from trl_tlt.drafters import HybridDrafter, ModelDrafter, PromptHistory
-from trl_tlt.drafters.base import DRAFT_SOURCES
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.sampling import SamplingParams, process_logits
-from trl_tlt.speculation import FixedSpeculation
+from trl_tlt.engine.draft import DRAFT_SOURCES
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.sampling import SamplingParams, process_logits
+from trl_tlt.engine.speculation import FixedSpeculation
 
 
 VOCAB = 8

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from trl_tlt.drafters import Draft, ModelDrafter
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.rejection_sampler import verify_reference
-from trl_tlt.sampling import SamplingParams, process_logits
-from trl_tlt.tree import DraftTree, checked_tree, depths_from_ancestors, verify_tree
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.rejection_sampler import verify_reference
+from trl_tlt.engine.sampling import SamplingParams, process_logits
+from trl_tlt.engine.tree import DraftTree, checked_tree, depths_from_ancestors, verify_tree
 
 
 def impossible_draft_case(has_q: bool):
@@ -63,7 +63,7 @@ def test_a_fault_at_a_later_position_cuts_the_draft_there():
     on every row and the first token is distributed as p."""
     from scipy.stats import chisquare
 
-    from trl_tlt.engine import _checked_draft
+    from trl_tlt.engine.generate import _checked_draft
 
     rows, vocab = 40_000, 4
     g = torch.Generator().manual_seed(0)
@@ -99,7 +99,7 @@ class LaterPositionFaultDrafter(ModelDrafter):
 
 def test_a_later_fault_keeps_the_drafts_before_it(tiny_model_f64):
     """Mutation caught: the whole draft dropped for a fault at position 2 (nothing was then ever accepted)."""
-    from test_engine import EOS, hf_greedy, random_prompts
+    from testing_utils import EOS, hf_greedy, random_prompts
 
     model = tiny_model_f64
     prompts = random_prompts(5, model.config.vocab_size, seed=6)
@@ -133,7 +133,7 @@ def test_a_tree_backbone_is_cut_at_its_first_broken_depth():
 def test_the_repetition_penalty_sees_the_left_padding_as_generate_does(tiny_model_f64):
     """Mutation caught: the engine's seen tokens built from the unpadded prompt (`padded_width` ignored): on a padded
     row the pad token's probability then differs from `generate`'s on GRPOTrainer's left-padded batch."""
-    from test_engine import random_prompts
+    from testing_utils import random_prompts
 
     model = tiny_model_f64
     pad = 5
@@ -161,7 +161,7 @@ def test_both_trainers_penalise_the_padding_of_short_prompts_alike(tiny_model_di
     the pad token first is rare with `generate` (it is penalised), and was 1 in 2 with the engine before the fix."""
     from datasets import Dataset
     from scipy.stats import binomtest
-    from test_trainer import config_kwargs, reward_len
+    from testing_utils import config_kwargs, reward_len
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -210,12 +210,13 @@ def test_a_models_own_sampling_settings_merge_as_in_generate(tiny_model_dirs, tm
     repetition penalty of 1.05). GRPOTrainer's `generate` merges it with the config's settings, which override it
     (here: no penalty, no top-k); the engine's `SamplingParams` must equal what `generate`'s processors apply."""
     from datasets import Dataset
-    from test_trainer import config_kwargs, reward_len
+    from testing_utils import config_kwargs, reward_len
     from transformers import AutoModelForCausalLM
     from transformers.generation import utils as generation_utils
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_tlt import TLTConfig, TLTGRPOTrainer
+    from trl_tlt.trainer.generation_settings import sampling_params
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
     config = policy.generation_config
@@ -241,7 +242,7 @@ def test_a_models_own_sampling_settings_merge_as_in_generate(tiny_model_dirs, tm
     trainers["grpo"]._generate_single_turn([[5, 6, 7]], None, {}, 1)
     processors = built[-1]
     with trainers["tlt"]._unwrapped_for_generation() as unwrapped:
-        params = trainers["tlt"]._sampling_params(unwrapped)
+        params = sampling_params(unwrapped, trainers["tlt"].generation_config)
     assert params.repetition_penalty == 1.0 and params.top_k is None  # TRL's own settings win over the model's
     penalty = processors.get("RepetitionPenaltyLogitsProcessor")
     assert params.repetition_penalty == (penalty.penalty if penalty is not None else 1.0)

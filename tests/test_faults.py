@@ -8,25 +8,29 @@ import re
 import pytest
 import torch
 from datasets import Dataset
-from test_engine import (
+from testing_utils import (
     EOS,
+    PROMPTS,
     chi_square_pvalue,
+    config_kwargs,
     exact_sequence_distribution,
+    fake_hub,
     hf_greedy,
     peaked_model,
     random_prompts,
+    reward_len,
+    train_one_step,
 )
-from test_trainer import PROMPTS, config_kwargs, fake_hub, reward_len, train_one_step
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
 from trl_tlt.drafters import Draft, ModelDrafter
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.sampling import SamplingParams
-from trl_tlt.spot import DataBuffer, SpotSchedule, SpotTrainer
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.sampling import SamplingParams
 from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer
+from trl_tlt.training.spot import DataBuffer, SpotSchedule, SpotTrainer
 
 
 class FaultyDrafter(ModelDrafter):

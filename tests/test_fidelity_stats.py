@@ -21,6 +21,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 
+# Slow (a 151,665-token policy, thousands of sampled tokens per drafter): CI's second stage.
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 VOCAB, PAD, EOS = 151_665, 151_643, 151_645
 EOS_PROB, PAD_PROB = 0.03, 0.01

@@ -4,12 +4,6 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import trl_tlt
-
-
-def test_version():
-    assert isinstance(trl_tlt.__version__, str) and trl_tlt.__version__[0].isdigit()
-
 
 def test_tokenizer_roundtrip_and_chatml(tiny_model_dirs, tokenizer):
     loaded = AutoTokenizer.from_pretrained(tiny_model_dirs["qwen2"])

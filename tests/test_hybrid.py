@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_engine import (
+from testing_utils import (
     EOS,
     NUM_SAMPLES,
     SAMPLED_PROMPT,
@@ -21,8 +21,8 @@ from test_engine import (
 from trl_tlt.drafters import Draft
 from trl_tlt.drafters.history import PromptHistory
 from trl_tlt.drafters.hybrid import EXPLORE_EVERY, HybridDrafter
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.sampling import SamplingParams
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.sampling import SamplingParams
 
 
 def primed_history(prompts, completions, corrupt_every=0):
@@ -234,7 +234,7 @@ def test_hybrid_trees_run_on_when_the_head_is_left_idle(tiny_model_dirs, tmp_pat
     tree arms, which `HybridDrafter.lookups_only()` refuses: hybrid_drafting with speculative_trees crashed mid-run
     with a ValueError. The idle rollouts play the chain arms, with statistics of their own."""
     from datasets import Dataset
-    from test_trainer import PROMPTS, config_kwargs, reward_len
+    from testing_utils import PROMPTS, config_kwargs, reward_len
     from transformers import AutoModelForCausalLM
 
     from trl_tlt import TLTConfig, TLTGRPOTrainer

@@ -8,9 +8,9 @@ import zipfile
 import pytest
 import torch
 
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.rejection_sampler import use_triton, verify_drafts, verify_reference
-from trl_tlt.sampling import SamplingParams
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.rejection_sampler import use_triton, verify_drafts, verify_reference
+from trl_tlt.engine.sampling import SamplingParams
 
 
 pytestmark = pytest.mark.skipif(
@@ -105,7 +105,9 @@ def test_verify_drafts_same_tokens_either_way(monkeypatch):
 
 
 def test_engine_with_the_kernel_matches_generate_greedy(monkeypatch, tiny_model_f64):
-    from test_engine import ModelDrafter, hf_greedy, random_prompts
+    from testing_utils import hf_greedy, random_prompts
+
+    from trl_tlt.drafters import ModelDrafter
 
     monkeypatch.setenv("TRL_TLT_KERNELS", "triton")
     model = tiny_model_f64
@@ -124,13 +126,15 @@ def skewed_sampler(verify_triton):
     return skewed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", [None, "skewed_sampler"])
 def test_engine_with_the_kernel_samples_the_policy_distribution(monkeypatch, tokenizer, fault):
     """Chi-square of sampled completions against the exact distribution, as tests/test_engine.py does for the torch
     path (fewer samples: the interpreter runs one program per row); at that sample size a skewed sampler fails it."""
-    from test_engine import ModelDrafter, chi_square_pvalue, exact_sequence_distribution, peaked_model
+    from testing_utils import chi_square_pvalue, exact_sequence_distribution, peaked_model
 
     import trl_tlt.kernels
+    from trl_tlt.drafters import ModelDrafter
 
     monkeypatch.setenv("TRL_TLT_KERNELS", "triton")
     if fault:
@@ -173,11 +177,11 @@ def test_kernels_ship_inside_the_package(tmp_path):
 
 
 def test_micro_benchmark_script_runs(tmp_path):
-    """scripts/bench_kernels.py (meant for a GPU) runs end to end through the interpreter and checks tokens."""
+    """scripts/gpu/bench_kernels.py (meant for a GPU) runs end to end through the interpreter and checks tokens."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "kernels.json"
     subprocess.run(
-        [sys.executable, os.path.join(root, "scripts", "bench_kernels.py"), "--device", "cpu", "--vocab", "256",
+        [sys.executable, os.path.join(root, "scripts", "gpu", "bench_kernels.py"), "--device", "cpu", "--vocab", "256",
          "--batch-sizes", "1,3", "--iters", "1", "--output", str(out)],
         check=True, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
     )  # fmt: skip

@@ -4,12 +4,12 @@ gradients: every loss type, with beta > 0, num_iterations = 2 and gradient accum
 import pytest
 import torch
 from datasets import Dataset
-from test_trainer import PROMPTS, config_kwargs, reward_len
+from testing_utils import PROMPTS, config_kwargs, reward_len
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
-from trl_tlt.micro_batching import REGROUPABLE_LOSS_TYPES, completion_lengths, group_by_length
+from trl_tlt.training.micro_batching import REGROUPABLE_LOSS_TYPES, completion_lengths, group_by_length
 
 
 MAX_COMPLETION = 48

@@ -30,17 +30,3 @@ def test_an_old_path_still_runs_with_python_m(command, prints):
     done = subprocess.run([sys.executable, "-m", old, *args], capture_output=True, text=True, check=True)
     assert prints in done.stdout
     assert f"moved to `python -m {MOVED[old]}`" in done.stderr
-
-
-def test_the_library_never_imports_the_tooling():
-    """Tooling sits beside the library: no module outside `trl_tlt.tooling` imports it, nor an old path."""
-    from test_layout import internal_imports, sources
-
-    offending = [
-        f"{module} imports {target}"
-        for module, path in sources().items()
-        if not module.startswith("tooling")
-        for target in internal_imports(module, path, modules_only=True)
-        if target.startswith("tooling") or f"trl_tlt.{target}" in MOVED
-    ]
-    assert not offending, offending

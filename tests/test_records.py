@@ -78,6 +78,6 @@ def records() -> list[Path]:
 def test_every_record_says_where_it_came_from(record):
     data = json.loads(record.read_text())
     missing = [key for key in PROVENANCE if key not in data]
-    assert not missing, f"{record.name} lacks {missing} (write it with scripts/_bench.write_json)"
+    assert not missing, f"{record.name} lacks {missing} (write it with trl_tlt.tooling.benchmarks.write_json)"
     if "provenance" not in data:  # recorded with the helper: every field known
         assert all(data[key] not in (None, "") for key in PROVENANCE), {k: data[k] for k in PROVENANCE}

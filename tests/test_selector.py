@@ -4,7 +4,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from trl_tlt.speculation import NO_SPECULATION, Arm, BanditSpeculation, batch_size_bucket, ladder_neighbours
+from trl_tlt.engine.speculation import NO_SPECULATION, Arm, BanditSpeculation, batch_size_bucket, ladder_neighbours
 from trl_tlt.tooling.selector_sim import CostModel, simulate_selector
 
 

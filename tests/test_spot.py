@@ -13,8 +13,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trl_tlt.drafters.draft_vocab import DraftVocabulary
 from trl_tlt.drafters.eagle3 import Eagle3Model
-from trl_tlt.spot import HELD_OUT_EVERY, DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
 from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer
+from trl_tlt.training.spot import HELD_OUT_EVERY, DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
 
 
 def rollout(n, length, offset=0):
@@ -92,22 +92,31 @@ def test_single_process_fixed_steps(policy):
     assert stats.idle_seconds == 0 and stats.summary["loss"] is not None
 
 
-def test_single_process_time_budget(policy):
-    """A phase spends about time_budget x rollout seconds (the last step may overdraw by one step's time, which
-    the next phase pays back); no rollout time, no step."""
+def test_single_process_time_budget(policy, monkeypatch):
+    """A phase spends time_budget x rollout seconds: on a fake clock (a drafter step takes 1 s, the held-out evaluation
+    0.5 s), a budget of 0.5 x 10 s buys the evaluation and 4 steps (a fifth would overdraw by more than the 0.5 s
+    left); no rollout time, no step. The clock is the test's: the machine's load cannot move it."""
+    import types
+
+    from trl_tlt.training.spot import trainer as trainer_module
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     spot = spot_trainer(policy, budget=SpotBudget(time_budget=0.5, warmup_phases=5))
-    spot.step(policy)  # first-call overheads out of the way
-    start = time.perf_counter()
-    spot.step(policy)
-    step_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    spot.evaluate(policy)
-    evaluation_seconds = time.perf_counter() - start
-    # A budget of the evaluation and 6 steps, in this machine's own times (a loaded machine slows all of them alike).
-    rollout_seconds = 2 * (evaluation_seconds + 6 * step_seconds)
-    stats = spot.run_between_rollouts(policy, rollout_seconds=rollout_seconds)
-    assert stats.steps >= 2 and stats.budget_seconds == pytest.approx(0.5 * rollout_seconds)
-    assert stats.seconds_used < 0.5 * rollout_seconds + 3 * spot._step_seconds
+    step, evaluate = spot.step, spot.evaluate
+
+    def timed(function, seconds):
+        def run(*args, **kwargs):
+            clock[0] += seconds
+            return function(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(spot, "step", timed(step, 1.0))
+    monkeypatch.setattr(spot, "evaluate", timed(evaluate, 0.5))
+    stats = spot.run_between_rollouts(policy, rollout_seconds=10.0)
+    assert stats.budget_seconds == 5.0 and stats.steps == 4 and stats.seconds_used == 4.5
+    assert spot.budget.credit == 0.5  # left to the next phase
     assert spot.run_between_rollouts(policy, rollout_seconds=0.0).steps == 0
 
 
@@ -267,6 +276,7 @@ def _rank_fails(rank, init_file, results, policy_state, failure):
     os._exit(0)  # no teardown with a dead peer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["dies", "hangs"])
 def test_a_dead_or_hung_rank_is_an_error_naming_rank_and_phase(policy, failure, tmp_path):
     ctx = mp.get_context("spawn")

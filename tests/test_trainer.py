@@ -1,11 +1,11 @@
 """TLTGRPOTrainer is a drop-in GRPOTrainer: same constructor, same results (greedy), tlt/ metrics, clear errors."""
 
 import inspect
-from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
+from testing_utils import PROMPTS, config_kwargs, drafter_args, fake_hub, reward_digits, reward_len, train_one_step
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.utils import GenerationMixin
 from trl import GRPOConfig, GRPOTrainer
@@ -14,45 +14,8 @@ from trl.trainer import grpo_trainer
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
 from trl_tlt.drafters.eagle3 import Eagle3Model
-from trl_tlt.speculation import FixedSpeculation
-from trl_tlt.vllm_generation import speculative_config
-
-
-PROMPTS = ["12+34=", "The quick", "1 2 3", "hello world"]
-
-
-def reward_len(completions, **kwargs):
-    return [float(len(c)) for c in completions]
-
-
-def config_kwargs(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=1,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return kwargs
-
-
-def train_one_step(trainer_cls, config_cls, model_dir, tmp_path, **overrides):
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    args = config_cls(**config_kwargs(tmp_path, **overrides))
-    trainer = trainer_cls(
-        model=model, reward_funcs=reward_len, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2})
-    )
-    trainer.train()
-    return trainer
+from trl_tlt.engine.speculation import FixedSpeculation
+from trl_tlt.vllm.generation import speculative_config
 
 
 def test_the_constructor_accepts_exactly_what_grpo_trainer_accepts(tiny_model_dirs, tmp_path):
@@ -113,21 +76,6 @@ def test_private_hooks_we_override_still_exist():
         "self._is_vlm",
     ):
         assert attribute in trainer_src or attribute in inspect.getsource(GRPOTrainer), attribute
-
-
-def eagle3_checkpoint(model_dir, path):
-    policy = AutoModelForCausalLM.from_pretrained(model_dir)
-    Eagle3Model.for_policy(policy).save_pretrained(path)
-    return str(path)
-
-
-def drafter_args(drafter_type, tiny_model_dirs, tmp_path):
-    if drafter_type == "model":
-        return {"drafter_type": "model", "drafter_model_name_or_path": tiny_model_dirs["llama"]}
-    if drafter_type == "eagle3-checkpoint":
-        path = eagle3_checkpoint(tiny_model_dirs["qwen2"], tmp_path / "eagle3")
-        return {"drafter_type": "eagle3", "drafter_model_name_or_path": path}
-    return {"drafter_type": drafter_type}
 
 
 @pytest.mark.parametrize("drafter_type", ["eagle3", "eagle3-checkpoint", "ngram", "none", "model"])
@@ -211,7 +159,7 @@ def test_same_completions_as_grpo_trainer_greedy(tiny_model_dirs, tmp_path, draf
             train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
         )
         if name == "tlt" and draft == "tree":  # every step a tree 3 deep, top-2, 6 nodes verified
-            trainer.tlt_speculation = FixedSpeculation(3, "default", topk=2, verify=6)
+            trainer.tlt.speculation = FixedSpeculation(3, "default", topk=2, verify=6)
         trainer.train()
         results[name] = trainer
     if draft == "tree":
@@ -240,9 +188,16 @@ def test_speculative_trees_adds_tree_arms(tiny_model_dirs, tmp_path, drafter_typ
 
 
 def test_plain_grpo_config_gets_tlt_defaults(tiny_model_dirs, tmp_path):
+    """A plain GRPOConfig: every TLT field at TLTConfig's default (validated), and the default drafter built from them."""
+    import dataclasses
+
+    from trl_tlt.drafters.eagle3 import Eagle3Drafter
+
     trainer = train_one_step(TLTGRPOTrainer, GRPOConfig, tiny_model_dirs["qwen2"], tmp_path)
     assert isinstance(trainer.args, TLTConfig)
-    assert trainer.args.drafter_type == "eagle3" and trainer.args.speculative_selector == "bandit"
+    tlt_fields = [f for f in dataclasses.fields(TLTConfig) if f.name not in GRPOConfig.__dataclass_fields__]
+    assert {f.name: getattr(trainer.args, f.name) for f in tlt_fields} == {f.name: f.default for f in tlt_fields}
+    assert isinstance(trainer.tlt.drafter, Eagle3Drafter) and trainer.tlt.spot is not None
 
 
 def test_config_errors_name_the_field(tmp_path):
@@ -268,18 +223,18 @@ def test_config_errors_name_the_field(tmp_path):
 
 def test_vllm_speculative_config_from_tlt_config():
     assert speculative_config("none", None, 4, 32) is None
-    assert speculative_config("eagle3", "d", 4, 32) == {
+    assert speculative_config("eagle3", "d", 4, 32) == {  # the default rule is TLTConfig's: probabilistic
         "method": "eagle3",
         "model": "d",
-        "draft_sample_method": "greedy",
+        "draft_sample_method": "probabilistic",
         "num_speculative_tokens": 4,
         "num_speculative_tokens_per_batch_size": [(1, 32, 4), (33, 1 << 20, 0)],
     }
     # always a schedule (speculation is turned off mid-run by zeroing it)
-    assert speculative_config("model", "lm", 2, 0, "probabilistic") == {
+    assert speculative_config("model", "lm", 2, 0, "greedy") == {
         "method": "draft_model",
         "model": "lm",
-        "draft_sample_method": "probabilistic",
+        "draft_sample_method": "greedy",
         "num_speculative_tokens": 2,
         "num_speculative_tokens_per_batch_size": [(1, 1 << 20, 2)],
     }
@@ -289,7 +244,7 @@ def test_vllm_speculative_config_from_tlt_config():
 
 
 def test_drafter_watchdog_repushes_then_turns_off():
-    from trl_tlt.vllm_generation import DrafterWatchdog
+    from trl_tlt.vllm.watchdog import DrafterWatchdog
 
     dog = DrafterWatchdog()
     assert [dog.observe(a) for a in (1.05, 1.0)] == [None, None]  # a head that never accepted: nothing to lose
@@ -435,30 +390,6 @@ def test_a_lora_drafter_trains_its_adapters_and_resumes(tiny_model_dirs, tmp_pat
             assert torch.equal(param, trained[name]), name
 
 
-def fake_hub(monkeypatch) -> dict:
-    """Replace `huggingface_hub.HfApi` (the Hub boundary: never called for real in tests); returns what it was given:
-    the token, the repo created, the uploaded files' names and their texts (Markdown and JSON)."""
-    import huggingface_hub
-
-    uploaded = {}
-
-    class FakeApi:
-        def __init__(self, token=None):
-            uploaded["token"] = token
-
-        def create_repo(self, repo_id, **kwargs):
-            uploaded["created"] = repo_id
-
-        def upload_folder(self, folder_path, repo_id, commit_message):
-            files = sorted(Path(folder_path).iterdir())
-            uploaded["files"] = [p.name for p in files]
-            uploaded["texts"] = {p.name: p.read_text() for p in files if p.suffix in (".md", ".json")}
-            return "commit"
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    return uploaded
-
-
 def test_push_drafter_to_hub_uploads_drafter_and_card(tiny_model_dirs, tmp_path, monkeypatch):
     trainer = train_one_step(TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path)
     uploaded = fake_hub(monkeypatch)
@@ -472,11 +403,6 @@ def test_model_free_drafter_has_nothing_to_save(tiny_model_dirs, tmp_path):
     trainer = train_one_step(TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, drafter_type="ngram")
     with pytest.raises(ValueError, match="drafter_type='eagle3' or 'model'"):
         trainer.save_drafter(tmp_path / "d")
-
-
-def reward_digits(completions, **kwargs):
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [float(sum(ch.isdigit() for ch in t)) for t in texts]
 
 
 # GRPOConfig modes a user can set, each run by the same script with both trainers (docs/trainer.md's matrix).
@@ -578,7 +504,7 @@ def test_vllm_spec_decode_stats_from_per_request_histograms():
     """Acceptance from vLLM's per-request metrics: histogram[j] = verify steps that accepted j draft tokens."""
     from types import SimpleNamespace
 
-    from trl_tlt.vllm_generation import TLTVLLMGeneration
+    from trl_tlt.vllm.generation import TLTVLLMGeneration
 
     def request(histogram, drafted):
         metrics = SimpleNamespace(histogram=histogram, num_draft_tokens=drafted)

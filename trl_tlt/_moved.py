@@ -17,9 +17,9 @@ import warnings
 MOVED = {
     "trl_tlt.cli": "trl_tlt.tooling.cli",
     "trl_tlt.demo": "trl_tlt.tooling.demo",
-    "trl_tlt.selector": "trl_tlt.speculation",
+    "trl_tlt.selector": "trl_tlt.engine.speculation",
     "trl_tlt.selector_sim": "trl_tlt.tooling.selector_sim",
-    "trl_tlt.speculative": "trl_tlt.rejection_sampler",
+    "trl_tlt.speculative": "trl_tlt.engine.rejection_sampler",
     "trl_tlt.simulator": "trl_tlt.tooling.simulator",
     "trl_tlt.tiny": "trl_tlt.tooling.tiny",
     "trl_tlt.warm_start": "trl_tlt.tooling.warm_start",
@@ -28,6 +28,23 @@ MOVED = {
     "trl_tlt.workload.evaluate": "trl_tlt.tooling.workload.evaluate",
     "trl_tlt.workload.task": "trl_tlt.tooling.workload.task",
     "trl_tlt.workload.__main__": "trl_tlt.tooling.workload.__main__",
+    # the layers as folders (#46): engine/, training/, vllm/
+    "trl_tlt.sampling": "trl_tlt.engine.sampling",
+    "trl_tlt.kv_cache": "trl_tlt.engine.kv_cache",
+    "trl_tlt.rejection_sampler": "trl_tlt.engine.rejection_sampler",
+    "trl_tlt.tree": "trl_tlt.engine.tree",
+    "trl_tlt.speculation": "trl_tlt.engine.speculation",
+    "trl_tlt.stats": "trl_tlt.engine.stats",
+    "trl_tlt.drafters.base": "trl_tlt.engine.draft",
+    "trl_tlt.drafter_training": "trl_tlt.training.distillation",
+    "trl_tlt.micro_batching": "trl_tlt.training.micro_batching",
+    "trl_tlt.spot": "trl_tlt.training.spot",
+    "trl_tlt.spot.buffer": "trl_tlt.training.spot.buffer",
+    "trl_tlt.spot.schedule": "trl_tlt.training.spot.schedule",
+    "trl_tlt.spot.trainer": "trl_tlt.training.spot.trainer",
+    "trl_tlt.vllm_generation": "trl_tlt.vllm.generation",
+    "trl_tlt.vllm_check": "trl_tlt.vllm.check",
+    "trl_tlt.vllm_cpu_fix": "trl_tlt.vllm.cpu_fix",
 }
 
 

@@ -85,7 +85,7 @@ class TLTConfig(GRPOConfig):
             sampled chain plus side branches, one policy forward; see docs/engine.md), and keeps them in the batch
             sizes where they emit more tokens per second than chains. Off by default: on 2 CPU cores trees never beat
             chains and exploring them costs rollout throughput (docs/benchmarks/tree_arms_cpu.json); where verification is memory-bound (GPUs) they may pay
-            (`scripts/gpu_check_tree.py` measures it). trl-tlt's engine only (vLLM drafts chains).
+            (`scripts/gpu/gpu_check_tree.py` measures it). trl-tlt's engine only (vLLM drafts chains).
         selector_deterministic (`bool`, *optional*, defaults to `False`):
             Reward the bandit with a modelled step cost (one policy forward plus k drafter forwards, weighted by
             parameter count) instead of the step's wall time. Its choices, and so the completions, then depend only on
@@ -187,6 +187,11 @@ class TLTConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self.validate_tlt_fields()
+
+    def validate_tlt_fields(self) -> None:
+        """Check every TLT field (`__post_init__`, and `as_tlt_config` for a plain GRPOConfig): a `ValueError` naming the
+        field and what to change."""
         if self.drafter_type not in DRAFTER_TYPES:
             raise ValueError(f"`drafter_type` must be one of {DRAFTER_TYPES}, got {self.drafter_type!r}.")
         if self.drafter_type == "model" and not self.drafter_model_name_or_path:
@@ -243,7 +248,9 @@ class TLTConfig(GRPOConfig):
 
 
 def as_tlt_config(args: GRPOConfig) -> TLTConfig:
-    """A plain `GRPOConfig` gets TLT's defaults (its own, already validated, values are kept as they are)."""
+    """A plain `GRPOConfig` as a `TLTConfig` with TLT's defaults: its own values are kept as GRPOConfig's
+    `__post_init__` left them (running it again would refuse what it set itself, e.g. `generation_batch_size` beside
+    `steps_per_generation`), the TLT fields are validated. A `TLTConfig` is returned as it is."""
     if isinstance(args, TLTConfig):
         return args
     config = TLTConfig.__new__(TLTConfig)
@@ -251,4 +258,5 @@ def as_tlt_config(args: GRPOConfig) -> TLTConfig:
     for f in dataclasses.fields(TLTConfig):
         if f.name not in args.__dict__:
             setattr(config, f.name, f.default)
+    config.validate_tlt_fields()
     return config

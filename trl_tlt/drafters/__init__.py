@@ -1,4 +1,4 @@
-from .base import Draft, DraftContext, Drafter
+from ..engine.draft import Draft, DraftContext, Drafter
 from .history import PromptHistory
 from .hybrid import HybridDrafter
 from .model import ModelDrafter

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import DRAFT_SOURCES, Draft, DraftContext, Drafter
+from ..engine.draft import DRAFT_SOURCES, Draft, DraftContext, Drafter
 from .history import PromptHistory
 from .lookup import SuffixIndex
 from .ngram import SiblingLookup

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from ..kv_cache import RaggedKVModel
-from ..sampling import sample_draft
-from ..tree import DraftTree, draft_tree
-from .base import Draft, DraftContext, Drafter
+from ..engine.draft import Draft, DraftContext, Drafter
+from ..engine.kv_cache import RaggedKVModel
+from ..engine.sampling import sample_draft
+from ..engine.tree import DraftTree, draft_tree
 
 
 class ModelDrafter(Drafter):

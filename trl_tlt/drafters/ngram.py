@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import DRAFT_SOURCES, Draft, DraftContext, Drafter
+from ..engine.draft import DRAFT_SOURCES, Draft, DraftContext, Drafter
 from .lookup import SuffixIndex
 
 

@@ -112,7 +112,7 @@ def grpo(argv: list[str] | None = None):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
-    drafter = trainer._trainable_drafter()
+    drafter = trainer.tlt.trainable_drafter
     if getattr(drafter, "exportable", True) is False:  # an EAGLE-3 head of a policy under 3 layers
         trainer.accelerator.print("The drafter cannot be exported for vLLM/SGLang; checkpoints hold it (drafter/).")
     elif drafter is not None:

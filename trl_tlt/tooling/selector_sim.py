@@ -16,7 +16,7 @@ import random
 import warnings
 from dataclasses import dataclass
 
-from trl_tlt.speculation import Arm, SpeculationPolicy, batch_size_bucket
+from trl_tlt.engine.speculation import Arm, SpeculationPolicy, batch_size_bucket
 
 
 @dataclass

@@ -15,7 +15,7 @@ The model is event-driven at sequence completions and works with expected token 
   whole drafter steps (a step cut by the end of the rollout is lost).
 
 One step of 512 instances x 2,048 sequences is a sort and a matrix-vector product: seconds for hundreds of steps.
-`scripts/simulate.py` calibrates it on our CPU measurements and on the TLT paper's setup (docs/scale.md).
+`scripts/bench/simulate.py` calibrates it on our CPU measurements and on the TLT paper's setup (docs/scale.md).
 """
 
 from __future__ import annotations

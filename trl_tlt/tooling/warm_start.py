@@ -25,8 +25,8 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_tlt.drafter_training import DistillConfig, warm_start_drafter
-from trl_tlt.sampling import SamplingParams
+from trl_tlt.engine.sampling import SamplingParams
+from trl_tlt.training.distillation import DistillConfig, warm_start_drafter
 
 
 def load_prompts(args, tokenizer):

@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING
 
 import torch
+from accelerate import Accelerator
 from transformers import TrainerCallback
 from transformers.utils import logging
 
+from .stack import RolloutStack
 
-if TYPE_CHECKING:
-    from .trainer import TLTGRPOTrainer
 
 logger = logging.get_logger(__name__)
 
@@ -21,11 +20,11 @@ logger = logging.get_logger(__name__)
 class JoinDrafterWrites(TrainerCallback):
     """Finish the background drafter write before `train()` returns."""
 
-    def __init__(self, trainer: TLTGRPOTrainer):
-        self.trainer = trainer
+    def __init__(self, stack: RolloutStack):
+        self.stack = stack
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer.join_drafter_writes()
+        self.stack.join_writes()
 
 
 class GracefulStop(TrainerCallback):
@@ -33,8 +32,8 @@ class GracefulStop(TrainerCallback):
     checkpoint of the policy and the drafter, instead of killing it mid-step. A second SIGTERM kills at once. Not
     installed where a SIGTERM handler is already set (the user's or a launcher's), or outside the main thread."""
 
-    def __init__(self, trainer: TLTGRPOTrainer):
-        self.trainer = trainer
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
         self.requested = False
         self._installed = False
 
@@ -53,7 +52,7 @@ class GracefulStop(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         requested = self.requested
-        accelerator = self.trainer.accelerator
+        accelerator = self.accelerator
         if accelerator.num_processes > 1:  # every rank stops at the same step, whichever got the signal
             flag = torch.tensor([float(requested)], device=accelerator.device)
             requested = bool(accelerator.reduce(flag, reduction="sum").item() > 0)

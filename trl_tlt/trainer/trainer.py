@@ -1,54 +1,55 @@
 """`TLTGRPOTrainer`: TRL's `GRPOTrainer` with rollouts from trl-tlt's lossless speculative engine.
 
-Wiring only (each concern in its own module of this package, mixed in): the transformers generation branch of `GRPOTrainer._generate_single_turn` is replaced by
-`SpeculativeEngine.generate` inside the same unwrap / no_grad / summon_full_params context (so DeepSpeed ZeRO-3
-and FSDP keep working). With `use_vllm=True` the parent's vLLM engine is built as `TLTVLLMGeneration` (vLLM's own
-speculative decoding with the trainer's drafter, pushed live). The completions are distributed exactly as the
-parent's, so training is unchanged; only rollout time drops.
+Every GRPOTrainer (and Trainer) hook it overrides is in this file, each wrapping the parent with `super()` and
+delegating to the trainer's `RolloutStack` (`stack.py`, built from the config by `build.py`): the drafter, the
+speculation policies, spot training, the prompt history, vLLM's drafter watch and the engine's generator live there.
+The transformers generation branch of `GRPOTrainer._generate_single_turn` is replaced by `SpeculativeEngine.generate`
+inside the same unwrap / no_grad / summon_full_params context (so DeepSpeed ZeRO-3 and FSDP keep working). With
+`use_vllm=True` the parent's vLLM engine is built as `TLTVLLMGeneration` (vLLM's own speculative decoding with the
+trainer's drafter, pushed live). The completions are distributed exactly as the parent's, so training is unchanged.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import statistics
 import tempfile
-import threading
+import time
+from collections import defaultdict
 from collections.abc import Sized
 from contextlib import contextmanager
 from pathlib import Path
-from unittest import mock
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 from trl.trainer import grpo_trainer
 
+from .._swap import swapped
 from ..config import TLTConfig, as_tlt_config
-from ..drafters import Drafter
-from ..engine import SpeculativeEngine
-from ..kv_cache import ragged_cache_mismatch
-from ..micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
-from ..sampling import SamplingParams
-from ..speculation import FixedSpeculation, SpeculationPolicy, batch_size_bucket
-from ..spot import SpotStats
-from ..stats import GenerationStats
-from ..vllm_generation import DrafterWatchdog
+from ..engine.kv_cache import ragged_cache_mismatch
+from ..training.micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
+from ..vllm.check import SampleMoments, policy_sample_moments, vllm_sampling_params
+from . import export
+from . import generation_settings as settings
+from .build import build_rollout_stack, build_vllm_generation
 from .callbacks import GracefulStop, JoinDrafterWrites
-from .drafter_checkpoints import DrafterCheckpoints
-from .drafter_setup import DrafterSetup
-from .generation_settings import GenerationSettings
-from .rollout import RolloutTurn
-from .vllm_rollouts import VLLMRollouts
+from .metrics import rollout_metrics, spot_metrics, vllm_rollout_metrics
+from .stack import RolloutStack, RolloutTurn
 
 
 logger = logging.get_logger(__name__)
 
 
-class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterCheckpoints, GRPOTrainer):
-    """Drop-in `GRPOTrainer` whose transformers rollouts use lossless speculative decoding.
+class TLTGRPOTrainer(GRPOTrainer):
+    """Drop-in `GRPOTrainer` whose rollouts use lossless speculative decoding.
 
     Same constructor as [`~trl.GRPOTrainer`]; `args` may be a [`TLTConfig`] or a plain `GRPOConfig` (TLT defaults).
+    `trainer.tlt` is its `RolloutStack` (the drafter, speculation, spot training, ...).
 
     Example:
         >>> from trl_tlt import TLTConfig, TLTGRPOTrainer
@@ -59,95 +60,55 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
     _tag_names = ["trl", "grpo", "trl-tlt"]
 
     def __init__(self, *args, **kwargs):  # GRPOTrainer's arguments, as they are (its signature: `__signature__` below)
-        self.tlt_drafter: Drafter | None = None
-        self._tlt_tmp: tempfile.TemporaryDirectory | None = None
-        # The parent builds its vLLM engine in __init__: ours instead, with the drafter (built first) as speculator.
-        with mock.patch.object(grpo_trainer, "VLLMGeneration", self._build_vllm_generation):
+        vllm_drafter = []
+
+        def vllm_generation(**vllm_kwargs):  # where GRPOTrainer builds its VLLMGeneration: ours, with the drafter
+            generation, drafter = build_vllm_generation(
+                as_tlt_config(self.args), self.accelerator.unwrap_model(self.model), self.accelerator.device,
+                self.processing_class, **vllm_kwargs,
+            )  # fmt: skip
+            vllm_drafter.append(drafter)
+            return generation
+
+        with swapped(grpo_trainer, "VLLMGeneration", vllm_generation):
             super().__init__(*args, **kwargs)
         self.args: TLTConfig = as_tlt_config(self.args)
         if isinstance(self.train_dataset, Sized) and len(self.train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: pass a dataset with at least one prompt to train on.")
-        self._check_prompt_lengths()
-        self._tlt_spot_requested = self.args.spot_training is True  # asked for by name, not chosen by default
-        # Why rollouts go through GRPOTrainer's own generation instead of the engine (None: they do not).
-        self.tlt_fallback_reason: str | None = None
-        self._tlt_engine_checked = self.use_vllm  # the engine's cache is checked on the policy at the first rollout
-        self._tlt_notes: set[str] = set()
+        settings.check_prompt_lengths(self)
+        self._tlt_notes: set[str] = set()  # the reasons for GRPOTrainer's generation already said
+        fallback = None
         if not self.use_vllm:
             policy = self.accelerator.unwrap_model(self.model)
-            self.tlt_fallback_reason = self._stock_generation_at_init(policy)
-            if self.tlt_fallback_reason is not None:
-                self._refuse_spot_training_without_engine()
-                self._note_stock_generation(self.tlt_fallback_reason)
-            else:
-                self.tlt_drafter = self._build_drafter()
-        self.tlt_hybrid = self._build_hybrid()  # what drafts in the engine, around `tlt_drafter` (None: it alone)
-        self.tlt_speculation = self._build_speculation()
-        self._tlt_lookup_speculation = self._build_lookup_speculation()
-        self.tlt_last_stats: GenerationStats | None = None
-        self.tlt_last_vllm_stats: dict[str, float] | None = None
-        self.tlt_vllm_spec_faults = 0  # rollouts regenerated without speculation (vLLM's samples failed the check)
-        self.tlt_drafter_repushes = 0  # drafter pushes into vLLM the watchdog made
-        self._tlt_watchdog = DrafterWatchdog()
-        self.args.spot_training = self._resolve_spot_training()
-        self.tlt_spot = self._build_spot_trainer() if self.args.spot_training else None
-        if self.use_vllm and self.tlt_spot is not None:
+            fallback = settings.stock_generation_at_init(self.args, self._is_vlm, policy, self.generation_config)
+            if fallback is not None:
+                self._note_stock_generation(fallback)
+        self.tlt: RolloutStack = build_rollout_stack(self.args, self, fallback, next(iter(vllm_drafter), None))
+        if self.use_vllm and self.tlt.spot is not None:
             self.vllm_generation.sync_drafter()  # the ranks' drafters were just made equal (rank 0's)
-        self.tlt_last_spot: SpotStats | None = None
-        self._drafter_writer: threading.Thread | None = None
-        self._drafter_write_error: tuple[Path, BaseException] | None = None
-        self.add_callback(JoinDrafterWrites(self))
-        self.add_callback(GracefulStop(self))
-        # One stream per rank: ranks sample different prompts, but their noise must not be correlated either.
-        seed = self.args.seed + self.accelerator.process_index
-        self._tlt_generator = torch.Generator(device=self.accelerator.device).manual_seed(seed)
-        self._tlt_turns: list[RolloutTurn] | None = None  # the current rollout's generation turns (None: none open)
-        self._tlt_rollout_speculated = False  # whether vLLM speculated in the latest rollout
+        self.add_callback(JoinDrafterWrites(self.tlt))
+        self.add_callback(GracefulStop(self.accelerator))
 
-    def _sampling_params(self, model) -> SamplingParams:
-        config = self._generation_config(model)
-        eos = config.eos_token_id
-        eos = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-        return SamplingParams(
-            do_sample=bool(config.do_sample),
-            temperature=config.temperature,
-            top_k=config.top_k or None,
-            top_p=config.top_p,
-            min_p=config.min_p or None,
-            repetition_penalty=config.repetition_penalty,
-            max_new_tokens=config.max_new_tokens,
-            eos_token_ids=eos,
-            suppress_token_ids=tuple(config.suppress_tokens or ()),
-        )
+    # What the stack holds, by the names the API has had (docs/trainer.md).
+    tlt_drafter = property(lambda self: self.tlt.drafter)
+    tlt_hybrid = property(lambda self: self.tlt.hybrid)
+    tlt_history = property(lambda self: self.tlt.history)
+    tlt_speculation = property(lambda self: self.tlt.speculation)
+    tlt_spot = property(lambda self: self.tlt.spot)
+    tlt_fallback_reason = property(lambda self: self.tlt.fallback_reason)
+    tlt_last_stats = property(lambda self: self.tlt.last_stats)
+    tlt_last_spot = property(lambda self: self.tlt.last_spot)
+    tlt_last_vllm_stats = property(lambda self: self.tlt.last_vllm_stats)
+    tlt_vllm_spec_faults = property(lambda self: self.tlt.vllm_spec_faults)
+    tlt_drafter_repushes = property(lambda self: self.tlt.drafter_repushes)
 
-    # ------------------------------------------------------------------------------------- generation
-    @contextmanager
-    def _unwrapped_for_generation(self):
-        """The parent's generation context (unwrap / no_grad / summon_full_params), the model in eval mode."""
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=getattr(self, "generation_kwargs", None),  # unset with vLLM
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
-            was_training = unwrapped_model.training
-            unwrapped_model.eval()
-            try:
-                yield unwrapped_model
-            finally:
-                unwrapped_model.train(was_training)
-
+    # --------------------------------------------------------------------------------------------- rollouts
     # One rollout = one `_generate` call (GRPOTrainer makes one per generation batch, on every rank); with tools it has
     # one generation turn per tool turn, a number that differs from rank to rank. What involves the other ranks (spot
     # training's barrier and merge, the vLLM drafter's watch) or learns from the whole rollout (the prompt history)
     # runs once per rollout, at its end (`_end_rollout`), so that every rank runs the same collectives in the same order.
     def _generate(self, prompts):
-        self._tlt_turns = []
+        self.tlt.open_rollout()
         output = super()._generate(prompts)
         self._end_rollout()  # where `_generate_single_turn` or `_tool_call_loop` did not end it already
         return output
@@ -158,154 +119,162 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
         return output
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        own_rollout = self._tlt_turns is None  # called outside `_generate`: a rollout of its own
-        if own_rollout:
-            self._tlt_turns = []
-        output = self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        own_rollout = self.tlt.open_rollout()  # called outside `_generate`: a rollout of its own
+        if self.use_vllm and images is None and not multimodal_fields:
+            output = self._generate_with_vllm(prompt_ids, num_generations, has_tool_images)
+        else:
+            output = self._generate_with_engine(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         # Without tools or a rollout_func, `_generate` makes this one call: the rollout ends here, before `_generate`
         # gathers from the other ranks (the time spot training uses is this rank's wait for them).
         if own_rollout or (not self.tools and self.rollout_func is None):
             self._end_rollout()
         return output
 
-    def _generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
-        """One generation turn: trl-tlt's engine, vLLM (`_generate_with_vllm`), or GRPOTrainer's own generation."""
-        reason = self._stock_generation_reason(images, multimodal_fields)
-        if reason is None and self.use_vllm:
-            return self._generate_with_vllm(prompt_ids, num_generations, has_tool_images)
+    def _generate_with_engine(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
+        """One turn through trl-tlt's engine, or GRPOTrainer's own generation where the engine would not reproduce it."""
+        stack = self.tlt
+        policy = self.accelerator.unwrap_model(self.model)
+        reason = settings.stock_generation_reason(images, multimodal_fields, stack.fallback_reason, policy)
         if reason is None:
             with profiling_context(self, "tlt.generate"), self._unwrapped_for_generation() as unwrapped_model:
-                if not self._tlt_engine_checked:  # once, on the real policy (gathered, in eval mode)
-                    self._tlt_engine_checked = True
-                    self.tlt_fallback_reason = ragged_cache_mismatch(unwrapped_model, self._tokenizer.pad_token_id)
-                reason = self.tlt_fallback_reason
+                if not stack.engine_checked:  # once, on the real policy (gathered, in eval mode)
+                    stack.engine_checked = True
+                    stack.fallback_reason = ragged_cache_mismatch(unwrapped_model, self._tokenizer.pad_token_id)
+                reason = stack.fallback_reason
                 if reason is None:
-                    drafter, speculation = self._rollout_drafter()
-                    engine = SpeculativeEngine(
-                        unwrapped_model,
-                        drafter=drafter,
-                        speculation=speculation,
-                        pad_token_id=self._tokenizer.pad_token_id,
-                    )
-                    params = self._sampling_params(unwrapped_model)
-                    out = engine.generate(
-                        prompt_ids, params, generator=self._tlt_generator, padded_width=self._padded_width(prompt_ids)
-                    )
+                    params = settings.sampling_params(unwrapped_model, self.generation_config)
+                    pad = self._tokenizer.pad_token_id
+                    out = stack.generate(unwrapped_model, prompt_ids, params, pad, self._padded_width(prompt_ids))
             if reason is None:
-                self._tlt_turns.append(RolloutTurn(prompt_ids, out.completion_ids, out.stats.total_s))
-                self._log_rollout_stats(out.stats)
+                self._log(rollout_metrics(out.stats, stack.history))
                 # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
                 return out.completion_ids, None
-            self._refuse_spot_training_without_engine()
+            stack.refuse_spot_training_without_engine()
         self._note_stock_generation(reason)
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _generate_with_vllm(self, prompt_ids, num_generations, has_tool_images):
+        """The parent's vLLM turn (policy synced, then generated), recorded for the end of the rollout."""
+        colocate = self.args.vllm_mode == "colocate"
+        start = time.perf_counter()
+        completion_ids, logprobs = super()._generate_single_turn(
+            prompt_ids, None, None, num_generations, has_tool_images
+        )
+        # colocate: the generate call alone, as on the engine path; server: the whole request
+        seconds = self.vllm_generation.last_generate_seconds if colocate else time.perf_counter() - start
+        stats = self.vllm_generation.spec_decode_stats() if colocate else None
+        self.tlt.record(RolloutTurn(prompt_ids, [list(ids) for ids in completion_ids], seconds, stats))
+        self.tlt.last_vllm_stats = stats
+        metrics = vllm_rollout_metrics(seconds, sum(len(ids) for ids in completion_ids), stats)
+        if colocate and self.vllm_generation.speculative_config is not None:
+            metrics["tlt/vllm_spec_faults"] = self.tlt.vllm_spec_faults
+            metrics["tlt/drafter_repushes"] = self.tlt.drafter_repushes
+        self._log(metrics)
+        return completion_ids, logprobs
 
     def _end_rollout(self) -> None:
         """Once per rollout, on every rank (see `_generate`), training only: its turns into the prompt history, the
         vLLM drafter watched, the drafter trained (spot training) and pushed into vLLM."""
-        turns, self._tlt_turns = self._tlt_turns, None
+        stack = self.tlt
+        turns = stack.close_rollout()
         if turns is None:
             return
-        # Whether vLLM may have speculated (the check of its samples): a server's speculation is not reported.
-        server = self.use_vllm and self.args.vllm_mode == "server"
-        self._tlt_rollout_speculated = server or any(turn.spec_stats is not None for turn in turns)
+        # A server's speculation is not reported: its rollouts are checked as if it had speculated.
+        stack.rollout_speculated |= self.use_vllm and self.args.vllm_mode == "server"
         if not self.model.training:
             return
-        prompts = [p for turn in turns for p in turn.prompt_ids]
-        completions = [list(c) for turn in turns for c in turn.completion_ids]
-        if self.tlt_history is not None:
-            self.tlt_history.add(prompts, completions)
+        if stack.watchdog is not None:
+            self._watch_vllm_drafter(turns)
+        if stack.spot is None or (self.use_vllm and not self.vllm_generation.speculating):
+            stack.end_rollout(None, turns)  # the prompt history only
+            return
+        with profiling_context(self, "tlt.spot_training"), self._unwrapped_for_generation() as unwrapped_model:
+            spot = stack.end_rollout(unwrapped_model, turns)
+        self._log(spot_metrics(spot, stack.spot))  # in training mode again: the context put the policy in eval
         if self.use_vllm:
-            self._end_vllm_rollout(turns)
-        if self.tlt_spot is not None and (not self.use_vllm or self.vllm_generation.speculating):
-            seconds = sum(turn.seconds for turn in turns)
-            with self._unwrapped_for_generation() as unwrapped_model:
-                self._spot_phase(unwrapped_model, prompts, completions, seconds)
-            if self.use_vllm:
-                with profiling_context(self, "tlt.sync_drafter"):
-                    self.vllm_generation.sync_drafter()
+            with profiling_context(self, "tlt.sync_drafter"):
+                self.vllm_generation.sync_drafter()
 
-    def _padded_width(self, prompt_ids: list[list[int]]) -> int:
-        """The width GRPOTrainer's `generate` left-pads this batch of prompts to (`pad_to_multiple_of` included)."""
-        width = max(map(len, prompt_ids))
-        multiple = self.pad_to_multiple_of
-        return width if not multiple else -(-width // multiple) * multiple
-
-    def _rollout_drafter(self) -> tuple[Drafter | None, SpeculationPolicy]:
-        """This rollout's drafter and speculation policy: a learned drafter that does not pay (spot training's
-        verdict) is left idle, the hybrid's lookups still draft."""
-        if self.tlt_spot is None or self.tlt_spot.drafter_pays:
-            return self.tlt_hybrid or self.tlt_drafter, self.tlt_speculation
-        if self.tlt_hybrid is not None:
-            return self.tlt_hybrid.lookups_only(), self._tlt_lookup_speculation
-        return None, FixedSpeculation(0)
-
-    def _log_rollout_stats(self, stats: GenerationStats) -> None:
-        self.tlt_last_stats = stats
-        mode = "train" if self.model.training else "eval"
-        steps = max(len(stats.active_batch_sizes), 1)
-        speculated = sum(1 for k in stats.num_speculative_tokens if k > 0)
-        metrics = {
-            "tlt/mean_acceptance_length": stats.mean_acceptance_length,
-            "tlt/draft_acceptance_rate": stats.draft_acceptance_rate,
-            "tlt/spec_step_fraction": speculated / steps,
-            "tlt/tree_step_fraction": stats.num_tree_steps / steps,
-            "tlt/num_decode_steps": float(len(stats.active_batch_sizes)),
-            "tlt/rollout_seconds": stats.total_s,
-            "tlt/rollout_tokens_per_second": stats.num_emitted_tokens / max(stats.total_s, 1e-9),
-            "tlt/mean_active_batch_size": sum(stats.active_batch_sizes) / steps,
-        }
-        if stats.num_accepted_tokens:  # which source each accepted draft token came from (shares)
-            for source, count in stats.num_accepted_tokens_by_source.items():
-                metrics[f"tlt/accepted_from_{source}"] = count / stats.num_accepted_tokens
-        if self.tlt_history is not None:
-            metrics["tlt/history_tokens"] = float(self.tlt_history.num_tokens)
-        # per power-of-two bucket of the active batch size: the k chosen (mean) and the tokens per second
-        buckets: dict[int, list] = {}
-        for size, k, tokens, seconds in zip(
-            stats.active_batch_sizes, stats.num_speculative_tokens, stats.step_emitted_tokens, stats.step_seconds
-        ):
-            buckets.setdefault(batch_size_bucket(size), []).append((k, tokens, seconds))
-        for bucket, rows in buckets.items():
-            metrics[f"tlt/k_bucket_{bucket}"] = sum(k for k, _, _ in rows) / len(rows)
-            metrics[f"tlt/tokens_per_second_bucket_{bucket}"] = sum(t for _, t, _ in rows) / max(
-                sum(s for _, _, s in rows), 1e-9
+    def _watch_vllm_drafter(self, turns: list[RolloutTurn]) -> None:
+        """The drafter in vLLM, watched on the acceptance of every rank's turns (summed over ranks, so that every rank
+        repushes, or turns speculation off, at the same rollout): a drafter that died silently in vLLM (acceptance
+        collapsed against its recent level) is pushed again; if it stays collapsed, speculation is turned off."""
+        stats = [t.spec_stats for t in turns if t.spec_stats is not None]
+        steps = sum(s["verify_steps"] for s in stats)
+        accepted = sum(s["verify_steps"] * (s["mean_acceptance_length"] - 1.0) for s in stats)
+        totals = self.accelerator.reduce(torch.tensor([steps, accepted], device=self.accelerator.device), "sum")
+        steps, accepted = totals.tolist()
+        if steps == 0 or not self.vllm_generation.speculating:
+            return
+        acceptance = 1.0 + accepted / steps
+        verdict = self.tlt.watchdog.observe(acceptance)
+        if verdict == "repush":
+            logger.warning(
+                f"vLLM's acceptance length fell to {acceptance:.2f} against a recent level of "
+                f"{1 + statistics.median(self.tlt.watchdog.history):.2f}: its draft weights look wiped or stale; "
+                "the drafter is pushed again."
             )
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(value)
+            with profiling_context(self, "tlt.sync_drafter"):
+                self.vllm_generation.sync_drafter()
+            self.tlt.drafter_repushes += 1
+        elif verdict == "off":
+            self._turn_speculation_off(f"vLLM's acceptance length stayed collapsed ({acceptance:.2f}) after a re-push")
 
-    def _spot_phase(self, policy, prompt_ids, completion_ids, rollout_seconds: float) -> None:
-        """This rank's rollouts are done: buffer them and train the drafter (idle time, or the time budget)."""
-        spot = self.tlt_spot
-        if prompt_ids:  # a rollout with no turn of ours (a rollout_func's own generation) still joins the others
-            spot.observe_rollout(prompt_ids, completion_ids)
-        with profiling_context(self, "tlt.spot_training"):
-            if spot.group is None:
-                stats = spot.run_between_rollouts(policy, rollout_seconds)
-            else:
-                stats = spot.run_while_idle(policy)
-        self.tlt_last_spot = stats
-        summary = stats.summary  # ranks' totals after the merge
-        metrics = {
-            "tlt/drafter_steps": summary["steps"],
-            "tlt/idle_seconds": summary["idle_seconds"],
-            "tlt/idle_seconds_used": summary["seconds_used"] if spot.group is not None else 0.0,
-            "tlt/spot_seconds": stats.seconds_used if spot.group is None else 0.0,
-            "tlt/drafter_resets": summary["resets"],
-        }
-        if summary["loss"] is not None:
-            metrics["tlt/drafter_loss"] = summary["loss"]
-        if summary["eval_acceptance_length"] is not None:
-            metrics["tlt/drafter_eval_acceptance_length"] = summary["eval_acceptance_length"]
-        if spot.group is None:
-            metrics["tlt/spot_budget_share"] = 0.0 if stats.skipped else spot.budget.share
-        if stats.draft_vocab_coverage is not None:
-            metrics["tlt/draft_vocab_coverage"] = stats.draft_vocab_coverage
-            metrics["tlt/draft_vocab_revisions"] = float(spot.vocab.num_revisions)
-        for key, value in metrics.items():
-            self._metrics["train"][key].append(value)
+    def _turn_speculation_off(self, reason: str) -> None:
+        if not self.vllm_generation.speculating:
+            return
+        self.vllm_generation.disable_speculation()
+        logger.warning(
+            f"{reason}: speculative decoding in vLLM is turned off for the rest of training (rollouts sample as vLLM "
+            "does without a drafter; spot training stops)."
+        )
 
-    # --------------------------------------------------------------------------------- training phase
+    def _generate_and_score_completions(self, inputs):
+        if not (self.use_vllm and self.args.drafter_type != "none"):
+            return super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        logged = {key: list(values) for key, values in self._metrics[mode].items()}
+        tokens_seen = self.state.num_input_tokens_seen
+        output = super()._generate_and_score_completions(inputs)
+        check = self._check_vllm_samples(output)
+        if check is not None and check.faulty and self.args.vllm_mode == "server":
+            raise RuntimeError(
+                f"The vLLM server's samples failed the check of the policy's ({check.describe()}): they may not be "
+                "the policy's, and a server's speculation cannot be turned off from here. Serve the policy without "
+                "--speculative_config (or fix the server's drafter) and resume from the last checkpoint."
+            )
+        if check is not None and check.faulty:
+            # Never train on samples that may not be the policy's: this batch is generated again, without speculation
+            # (the first attempt's logged metrics are discarded with it).
+            self.tlt.vllm_spec_faults += 1
+            self._turn_speculation_off(
+                f"vLLM's speculative samples failed the check ({check.describe()}); the batch is generated again "
+                "without it"
+            )
+            self._metrics[mode] = defaultdict(list, logged)
+            self.state.num_input_tokens_seen = tokens_seen
+            output = super()._generate_and_score_completions(inputs)
+        elif check is not None:
+            self._metrics[mode]["tlt/vllm_sample_z"].append(check.z)
+        if not self.vllm_importance_sampling_correction:  # the loss uses the trainer's logprobs: never train on vLLM's
+            output.pop("sampling_per_token_logps", None)
+        return output
+
+    def _check_vllm_samples(self, output: dict) -> SampleMoments | None:
+        """The check of trl_tlt/vllm/check.py over every rank's batch, where any rank's vLLM may have speculated in this
+        rollout (None where none did: vLLM sampled without a drafter, as GRPOTrainer's vLLM does). Every rank runs it:
+        a gather, then a forward over its batch and a sum over ranks."""
+        device = self.accelerator.device
+        speculated = torch.tensor([float(self.tlt.rollout_speculated)], device=device)
+        if not bool(self.accelerator.gather(speculated).any()):
+            return None
+        params = vllm_sampling_params(self.vllm_generation)
+        local = policy_sample_moments(self.model, output, params, self.args.per_device_train_batch_size)
+        return SampleMoments.from_tensor(self.accelerator.reduce(local.as_tensor(device), "sum").cpu())
+
+    # --------------------------------------------------------------------------------------- training phase
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -318,7 +287,7 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
         **multimodal,
     ):
         """Every forward over completions (the loss, old and reference log-probs), each chunk of rows run at its own
-        longest completion instead of the generation batch's (`micro_batching`; trl_tlt/micro_batching.py)."""
+        longest completion instead of the generation batch's (`micro_batching`; trl_tlt/training/micro_batching.py)."""
 
         def forward(ids, mask, keep, chunk_size=None):
             return super(TLTGRPOTrainer, self)._get_per_token_logps_and_entropies(
@@ -353,9 +322,90 @@ class TLTGRPOTrainer(GenerationSettings, DrafterSetup, VLLMRollouts, DrafterChec
         if fresh and self._regroups_micro_batches() and "pixel_values" not in inputs:
             accumulation = self.args.gradient_accumulation_steps
             if self._step % accumulation == 0:  # the buffer starts at an optimizer-step boundary
-                self._buffered_inputs = group_by_length(self._buffered_inputs, accumulation)
+                # regrouped in place: the parent's buffer, its micro-batches sorted by length
+                self._buffered_inputs[:] = group_by_length(self._buffered_inputs, accumulation)
                 inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
+
+    # ---------------------------------------------------------------------------------- checkpoints, export
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self.tlt.save(folder, self.accelerator.process_index, write_drafter=self.args.should_save)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        policy = self.accelerator.unwrap_model(self.model)
+        self.tlt.load(Path(resume_from_checkpoint), self.accelerator.process_index, policy)
+
+    def join_drafter_writes(self) -> None:
+        """Wait for the background drafter checkpoint write; raise its error, if it failed."""
+        self.tlt.join_writes()
+
+    def save_drafter(self, path: str | os.PathLike) -> None:
+        """Save the drafter: EAGLE-3 in the layout vLLM and SGLang load, a small LM with `save_pretrained`."""
+        model = self.tlt.trainable_drafter
+        if self.accelerator.is_main_process or model is None:
+            export.save_drafter(model, path, self.args.drafter_type)
+
+    def push_drafter_to_hub(
+        self, repo_id: str, private: bool | None = None, token: str | None = None,
+        commit_message: str = "Upload TLT drafter",
+    ):  # fmt: skip
+        """Save the drafter with a model card and upload it to the Hub as `repo_id`. Returns the commit info."""
+        from huggingface_hub import HfApi
+
+        if not self.accelerator.is_main_process:
+            return None
+        api = HfApi(token=token)
+        policy = self.accelerator.unwrap_model(self.model).config._name_or_path or "the policy"
+        card = export.drafter_model_card(repo_id, policy, self.args.drafter_type, self.args.num_speculative_tokens)
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_drafter(folder)
+            (Path(folder) / "README.md").write_text(card)
+            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+            return api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message)
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    @contextmanager
+    def _unwrapped_for_generation(self):
+        """The parent's generation context (unwrap / no_grad / summon_full_params), the model in eval mode."""
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=getattr(self, "generation_kwargs", None),  # unset with vLLM
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            was_training = unwrapped_model.training
+            unwrapped_model.eval()
+            try:
+                yield unwrapped_model
+            finally:
+                unwrapped_model.train(was_training)
+
+    def _padded_width(self, prompt_ids: list[list[int]]) -> int:
+        """The width GRPOTrainer's `generate` left-pads this batch of prompts to (`pad_to_multiple_of` included)."""
+        width = max(map(len, prompt_ids))
+        multiple = self.pad_to_multiple_of
+        return width if not multiple else -(-width // multiple) * multiple
+
+    def _note_stock_generation(self, reason: str) -> None:
+        """Say once per reason that rollouts use GRPOTrainer's generation (correct, without TLT's speed-up)."""
+        if reason not in self._tlt_notes:
+            self._tlt_notes.add(reason)
+            logger.warning(
+                f"TLTGRPOTrainer generates with GRPOTrainer's own generation (no speculative decoding): {reason}."
+            )
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        mode = "train" if self.model.training else "eval"
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(value)
 
 
 # What `inspect.signature`, IDEs and argument checks read: exactly GRPOTrainer's constructor (`reward_funcs` optional

@@ -15,7 +15,6 @@ Layer ids follow vLLM: id i is the input of policy layer i, i.e. Hugging Face's 
 
 from .config import default_aux_layer_ids, eagle3_config
 from .drafter import Eagle3Drafter
-from .lean import _DraftSession, _LeanHead
 from .model import (
     ENGINES,
     REQUIRED_TENSORS,
@@ -35,8 +34,6 @@ __all__ = [
     "Eagle3Drafter",
     "Eagle3Layer",
     "Eagle3Model",
-    "_DraftSession",
-    "_LeanHead",
     "check_complete",
     "default_aux_layer_ids",
     "eagle3_config",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...kv_cache import GrowingLayer, RaggedKVModel
+from ...engine.kv_cache import GrowingLayer, RaggedKVModel
 from .model import Eagle3Model
 
 

@@ -291,8 +291,8 @@ def _warm_start_eagle3(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_tlt.drafter_training import DistillConfig, warm_start_drafter
-    from trl_tlt.sampling import SamplingParams
+    from trl_tlt.engine.sampling import SamplingParams
+    from trl_tlt.training.distillation import DistillConfig, warm_start_drafter
 
     path = policy_path.parent / name
     if (path / "config.json").exists():

@@ -29,8 +29,8 @@ def evaluate_policy(
     import numpy as np
     import torch
 
-    from trl_tlt.engine import SpeculativeEngine
-    from trl_tlt.sampling import SamplingParams
+    from trl_tlt.engine.generate import SpeculativeEngine
+    from trl_tlt.engine.sampling import SamplingParams
 
     engine = SpeculativeEngine(model, pad_token_id=tokenizer.pad_token_id)
     params = SamplingParams(

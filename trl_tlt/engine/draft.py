@@ -1,0 +1,87 @@
+"""The drafter interface of the speculative engine.
+
+Per `generate` call the engine calls `start` once (at its first use; at prefill for drafters with
+`needs_hidden_states = True`), then `propose` (k tokens per active row from the current state) at the steps it
+drafts, and `accept` after every policy forward once started (how many drafts each row kept; drafters that did
+not draft that step ignore it or, like EAGLE, record the policy's hidden states). `select` follows whenever
+finished rows leave the batch. Drafters read what they need from `DraftContext`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+# Where a drafted token came from: the drafter's model (sampled from its q), the row's own text and its GRPO siblings
+# in this rollout, or the prompt's earlier rollouts (`PromptHistory`). The last two are deterministic (q one-hot).
+DRAFT_SOURCES = ("learned", "siblings", "history")
+
+
+@dataclass
+class DraftContext:
+    """The engine's view of the active batch, shared with the drafter.
+
+    Attributes:
+        sequences: Token ids of every row of the call (prompt + completion so far, including the newest token,
+            which the policy has not consumed yet), indexed by original row id.
+        row_ids: (B,) original row id of each active row, in batch order.
+        group_ids: Group of every original row: rows with the same prompt (GRPO's siblings) share a group.
+        params: The sampling settings.
+        generator: Random generator for stochastic drafters.
+        prompt_lengths: Prompt length of every original row (its first tokens in `sequences`; empty: unknown).
+        hidden_states: The policy's hidden states from its last forward (engine-specific, for EAGLE drafters).
+    """
+
+    sequences: list[list[int]]
+    row_ids: torch.Tensor
+    group_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_lengths: list[int] = field(default_factory=list)
+    hidden_states: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+
+
+@dataclass
+class Draft:
+    """Proposed tokens per active row: k of them, or more where a deterministic source continues (`source`).
+
+    Attributes:
+        token_ids: (B, L) draft token ids (entries past `num_tokens` are ignored).
+        num_tokens: (B,) number of valid drafts per row, in [0, L].
+        probs: (B, k, V) the distributions the drafts were sampled from (k <= L), or None if the drafter is
+            deterministic (then q is one-hot on the draft, which keeps rejection sampling exact).
+        source: (B, L) index into `DRAFT_SOURCES` of each draft's source; drafts from a source other than "learned"
+            are deterministic (q one-hot, whatever `probs` holds there), and positions >= k must be. None: all
+            "learned" (all deterministic if `probs` is None).
+    """
+
+    token_ids: torch.Tensor
+    num_tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    source: torch.Tensor | None = None
+
+
+class Drafter:
+    """Base class: override `propose`; the hooks default to no-ops for stateless drafters.
+
+    Attributes:
+        needs_hidden_states: The drafter reads `DraftContext.hidden_states` (the engine then keeps them).
+    """
+
+    needs_hidden_states: bool = False
+
+    def start(self, ctx: DraftContext) -> None:
+        """A new batch begins (every row holds its prompt and its first sampled token)."""
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        raise NotImplementedError
+
+    def accept(self, ctx: DraftContext, num_accepted_tokens: torch.Tensor) -> None:
+        """After every policy forward (whoever drafted); `ctx.sequences` already hold the emitted tokens."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Only `rows` (indices into the current batch) stay active."""

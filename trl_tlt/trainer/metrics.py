@@ -1,0 +1,73 @@
+"""The `tlt/` metrics a rollout and a spot phase log (each key defined in docs/trainer.md and docs/vllm.md)."""
+
+from __future__ import annotations
+
+from ..drafters import PromptHistory
+from ..engine.speculation import batch_size_bucket
+from ..engine.stats import GenerationStats
+from ..training.spot import SpotStats, SpotTrainer
+
+
+def rollout_metrics(stats: GenerationStats, history: PromptHistory | None) -> dict[str, float]:
+    """One generation turn of trl-tlt's engine."""
+    steps = max(len(stats.active_batch_sizes), 1)
+    speculated = sum(1 for k in stats.num_speculative_tokens if k > 0)
+    metrics = {
+        "tlt/mean_acceptance_length": stats.mean_acceptance_length,
+        "tlt/draft_acceptance_rate": stats.draft_acceptance_rate,
+        "tlt/spec_step_fraction": speculated / steps,
+        "tlt/tree_step_fraction": stats.num_tree_steps / steps,
+        "tlt/num_decode_steps": float(len(stats.active_batch_sizes)),
+        "tlt/rollout_seconds": stats.total_s,
+        "tlt/rollout_tokens_per_second": stats.num_emitted_tokens / max(stats.total_s, 1e-9),
+        "tlt/mean_active_batch_size": sum(stats.active_batch_sizes) / steps,
+    }
+    if stats.num_accepted_tokens:  # which source each accepted draft token came from (shares)
+        for source, count in stats.num_accepted_tokens_by_source.items():
+            metrics[f"tlt/accepted_from_{source}"] = count / stats.num_accepted_tokens
+    if history is not None:
+        metrics["tlt/history_tokens"] = float(history.num_tokens)
+    # per power-of-two bucket of the active batch size: the k chosen (mean) and the tokens per second
+    buckets: dict[int, list] = {}
+    for size, k, tokens, seconds in zip(
+        stats.active_batch_sizes, stats.num_speculative_tokens, stats.step_emitted_tokens, stats.step_seconds
+    ):
+        buckets.setdefault(batch_size_bucket(size), []).append((k, tokens, seconds))
+    for bucket, rows in buckets.items():
+        metrics[f"tlt/k_bucket_{bucket}"] = sum(k for k, _, _ in rows) / len(rows)
+        metrics[f"tlt/tokens_per_second_bucket_{bucket}"] = sum(t for _, t, _ in rows) / max(
+            sum(s for _, _, s in rows), 1e-9
+        )
+    return metrics
+
+
+def spot_metrics(stats: SpotStats, spot: SpotTrainer) -> dict[str, float]:
+    """One spot phase (over all ranks after the merge)."""
+    summary = stats.summary
+    one_process = spot.group is None
+    metrics = {
+        "tlt/drafter_steps": summary["steps"],
+        "tlt/idle_seconds": summary["idle_seconds"],
+        "tlt/idle_seconds_used": 0.0 if one_process else summary["seconds_used"],
+        "tlt/spot_seconds": stats.seconds_used if one_process else 0.0,
+        "tlt/drafter_resets": summary["resets"],
+    }
+    if summary["loss"] is not None:
+        metrics["tlt/drafter_loss"] = summary["loss"]
+    if summary["eval_acceptance_length"] is not None:
+        metrics["tlt/drafter_eval_acceptance_length"] = summary["eval_acceptance_length"]
+    if one_process:
+        metrics["tlt/spot_budget_share"] = 0.0 if stats.skipped else spot.budget.share
+    if stats.draft_vocab_coverage is not None:
+        metrics["tlt/draft_vocab_coverage"] = stats.draft_vocab_coverage
+        metrics["tlt/draft_vocab_revisions"] = float(spot.vocab.num_revisions)
+    return metrics
+
+
+def vllm_rollout_metrics(seconds: float, num_tokens: int, stats: dict[str, float] | None) -> dict[str, float]:
+    """One generation turn of vLLM."""
+    metrics = {"tlt/rollout_seconds": seconds, "tlt/rollout_tokens_per_second": num_tokens / max(seconds, 1e-9)}
+    if stats is not None:
+        metrics["tlt/mean_acceptance_length"] = stats["mean_acceptance_length"]
+        metrics["tlt/draft_acceptance_rate"] = stats["draft_acceptance_rate"]
+    return metrics

@@ -1,0 +1,282 @@
+"""`RolloutStack`: what `TLTGRPOTrainer` adds to GRPOTrainer's rollouts, in one object the trainer holds.
+
+It owns the drafter, the hybrid drafter around it, the speculation policies, spot training, the prompt history (the
+hybrid's), vLLM's drafter watchdog and the engine's sampling generator; it rolls out (one generation turn at a time),
+trains the drafter once per rollout, and saves and resumes every rank's part of it. `build_rollout_stack`
+(`build.py`) makes one from the config; the trainer's hooks (`trainer.py`) delegate to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors.torch import load_file
+from transformers import PreTrainedModel
+
+from ..drafters import HybridDrafter, PromptHistory
+from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
+from ..drafters.model import ModelDrafter
+from ..engine import Drafter, FixedSpeculation, GenerationOutput, SamplingParams, SpeculationPolicy, SpeculativeEngine
+from ..engine.stats import GenerationStats
+from ..training.spot import SpotStats, SpotTrainer
+from ..vllm.watchdog import DrafterWatchdog
+
+
+DRAFTER_DIR = "drafter"  # inside every checkpoint folder
+# Each rank's rollout state, in every checkpoint: what a resumed run needs to sample and train as the uninterrupted one
+# would (the sampling generator, the speculation policies' statistics, the hybrid drafter's running means and prompt
+# history, spot training's optimizer, schedule, buffer and sampling stream).
+ROLLOUT_STATE_NAME = "tlt_state/rank{rank}.pt"
+HISTORY_NAME = "tlt_history/rank{rank}.json"  # read from checkpoints written before ROLLOUT_STATE_NAME
+SPOT_STATE_NAME = "spot_state.pt"  # likewise, in drafter/ (the first rank's spot training state)
+
+
+class RolloutTurn(NamedTuple):
+    """One generation turn: the prompts (tool results included after a rollout's first turn) and what the policy
+    sampled after them, in `seconds`; `spec_stats`: vLLM's acceptance over the turn (None on trl-tlt's engine)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    seconds: float
+    spec_stats: dict[str, float] | None = None
+
+
+@dataclass
+class RolloutStack:
+    """What `TLTGRPOTrainer` adds to a rollout (see the module docstring). Built by `build_rollout_stack`.
+
+    Attributes:
+        drafter: The drafter of `drafter_type` (None: no drafter, or rollouts through GRPOTrainer's generation).
+        hybrid: `hybrid_drafting`'s `HybridDrafter` around it (None: the drafter alone).
+        speculation: The speculation policy of the engine's rollouts.
+        lookup_speculation: The one of the rollouts in which the hybrid's lookups draft alone (the learned drafter
+            left idle by spot training): its chain arms, with statistics of their own.
+        spot: Spot training (None: off).
+        generator: The engine's sampling stream (one per rank: `seed + process index`).
+        watchdog: vLLM colocate with a drafter: the watch over vLLM's draft weights (None elsewhere).
+        fallback_reason: Why rollouts go through GRPOTrainer's own generation (None: they do not).
+        spot_requested: `spot_training=True` was asked for by name (an error where it cannot run; chosen by default,
+            it is turned off instead).
+
+    Example:
+        >>> trainer.tlt.speculation.best_arms()   # what the bandit plays per batch-size bucket
+        >>> trainer.tlt.last_stats.mean_acceptance_length
+    """
+
+    drafter: Drafter | None
+    hybrid: HybridDrafter | None
+    speculation: SpeculationPolicy
+    lookup_speculation: SpeculationPolicy
+    spot: SpotTrainer | None
+    generator: torch.Generator
+    watchdog: DrafterWatchdog | None = None
+    fallback_reason: str | None = None
+    spot_requested: bool = False
+    engine_checked: bool = False  # the engine's cache was checked on the real policy (at the first rollout)
+    turns: list[RolloutTurn] | None = None  # the current rollout's generation turns (None: none open)
+    rollout_speculated: bool = False  # whether vLLM may have speculated in the latest rollout (the check's cue)
+    last_stats: GenerationStats | None = None  # of the engine's latest turn
+    last_spot: SpotStats | None = None  # of the latest spot phase
+    last_vllm_stats: dict[str, float] | None = None  # vLLM's acceptance over its latest turn
+    vllm_spec_faults: int = 0  # rollouts regenerated without speculation (vLLM's samples failed the check)
+    drafter_repushes: int = 0  # drafter pushes into vLLM the watchdog made
+    _writer: threading.Thread | None = field(default=None, repr=False)
+    _write_error: tuple[Path, BaseException] | None = field(default=None, repr=False)
+
+    @property
+    def history(self) -> PromptHistory | None:
+        """The hybrid drafter's prompt history (None without `hybrid_drafting`, or with `history_max_tokens=0`)."""
+        return self.hybrid.history if self.hybrid is not None else None
+
+    @property
+    def trainable_drafter(self) -> Eagle3Model | PreTrainedModel | None:
+        """The drafter's own model (an `Eagle3Model` or a causal LM), or None for model-free drafters."""
+        if isinstance(self.drafter, Eagle3Drafter | ModelDrafter):
+            return self.drafter.model
+        return None
+
+    def refuse_spot_training_without_engine(self) -> None:
+        """The engine cannot run this policy: spot training asked for by name is an error; chosen by default, off."""
+        if self.spot_requested:
+            raise ValueError(
+                f"spot_training=True trains the drafter of trl-tlt's engine, which cannot run this policy: "
+                f"{self.fallback_reason}. Set spot_training=False (rollouts then use GRPOTrainer's generation)."
+            )
+        self.spot = None
+
+    # ------------------------------------------------------------------------------------------ a rollout
+    def open_rollout(self) -> bool:
+        """Start a rollout if none is open; True if this call opened it."""
+        if self.turns is not None:
+            return False
+        self.turns = []
+        return True
+
+    def close_rollout(self) -> list[RolloutTurn] | None:
+        """The rollout's turns (None if none was open); `rollout_speculated` says whether vLLM may have speculated."""
+        turns, self.turns = self.turns, None
+        if turns is not None:
+            self.rollout_speculated = any(turn.spec_stats is not None for turn in turns)
+        return turns
+
+    def rollout_drafter(self) -> tuple[Drafter | None, SpeculationPolicy]:
+        """This rollout's drafter and speculation policy: a learned drafter that does not pay (spot training's
+        verdict) is left idle, the hybrid's lookups still draft."""
+        if self.spot is None or self.spot.drafter_pays:
+            return self.hybrid or self.drafter, self.speculation
+        if self.hybrid is not None:
+            return self.hybrid.lookups_only(), self.lookup_speculation
+        return None, FixedSpeculation(0)
+
+    def generate(
+        self, policy: PreTrainedModel, prompt_ids: list[list[int]], params: SamplingParams, pad_token_id: int,
+        padded_width: int,
+    ) -> GenerationOutput:  # fmt: skip
+        """One generation turn through trl-tlt's engine, recorded for the end of the rollout."""
+        drafter, speculation = self.rollout_drafter()
+        engine = SpeculativeEngine(policy, drafter=drafter, speculation=speculation, pad_token_id=pad_token_id)
+        out = engine.generate(prompt_ids, params, generator=self.generator, padded_width=padded_width)
+        self.record(RolloutTurn(prompt_ids, out.completion_ids, out.stats.total_s))
+        self.last_stats = out.stats
+        return out
+
+    def record(self, turn: RolloutTurn) -> None:
+        if self.turns is not None:
+            self.turns.append(turn)
+
+    def end_rollout(self, policy: PreTrainedModel | None, turns: list[RolloutTurn]) -> SpotStats | None:
+        """Once per rollout, training only, on every rank: the turns into the prompt history, then spot training on
+        them (`policy`: the policy unwrapped for generation; None: no drafter training this rollout)."""
+        prompts = [p for turn in turns for p in turn.prompt_ids]
+        completions = [list(c) for turn in turns for c in turn.completion_ids]
+        if self.history is not None:
+            self.history.add(prompts, completions)
+        if self.spot is None or policy is None:
+            return None
+        if prompts:  # a rollout with no turn of ours (a rollout_func's own generation) still joins the others
+            self.spot.observe_rollout(prompts, completions)
+        if self.spot.group is None:  # one process: within the time budget, which the rollout's seconds set
+            self.last_spot = self.spot.run_between_rollouts(policy, sum(turn.seconds for turn in turns))
+        else:  # several: while the other ranks still generate, then the merge
+            self.last_spot = self.spot.run_while_idle(policy)
+        return self.last_spot
+
+    # --------------------------------------------------------------------------------- save and resume
+    def state_dict(self) -> dict:
+        """This rank's rollout state (`ROLLOUT_STATE_NAME`)."""
+        state = {"generator": self.generator.get_state(), "speculation": self.speculation.state_dict()}
+        if self.lookup_speculation is not self.speculation:
+            state["lookup_speculation"] = self.lookup_speculation.state_dict()
+        if self.hybrid is not None:
+            state["hybrid"] = self.hybrid.state_dict()
+        if self.history is not None:
+            state["history"] = self.history.state_dict()
+        if self.spot is not None:
+            state["spot"] = self.spot.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+            self.speculation.load_state_dict(state["speculation"])
+        if "lookup_speculation" in state:
+            self.lookup_speculation.load_state_dict(state["lookup_speculation"])
+        if self.hybrid is not None and "hybrid" in state:
+            self.hybrid.load_state_dict(state["hybrid"])
+        if self.history is not None and "history" in state:
+            self.history.load_state_dict(state["history"])
+        if self.spot is not None and "spot" in state:
+            self.spot.load_state_dict(state["spot"])
+
+    def save(self, folder: Path, rank: int, write_drafter: bool) -> None:
+        """Into a checkpoint folder: this rank's rollout state (written, then renamed) and, where `write_drafter`
+        (the process that saves), the drafter, snapshotted now and written by a background thread into drafter.tmp,
+        then renamed: a run killed while writing leaves no half-written drafter/ behind."""
+        path = folder / ROLLOUT_STATE_NAME.format(rank=rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+        drafter = self.trainable_drafter
+        if drafter is None or not write_drafter:
+            return
+        save_kwargs = {}
+        if isinstance(drafter, Eagle3Model):
+            weights = {k: v.to("cpu", copy=True) for k, v in drafter.export_state_dict().items()}
+            save_kwargs["engine"] = "vllm" if drafter.exportable else "trl-tlt"
+        else:
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()}
+
+        def write():
+            tmp, final = folder / f"{DRAFTER_DIR}.tmp", folder / DRAFTER_DIR
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                drafter.save_pretrained(tmp, state_dict=weights, **save_kwargs)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+            except BaseException as error:  # re-raised by join_writes, in the training thread
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._write_error = (folder, error)
+
+        self.join_writes()
+        self._writer = threading.Thread(target=write, name="tlt-drafter-checkpoint")
+        self._writer.start()
+
+    def join_writes(self) -> None:
+        """Wait for the background drafter write, if any; raise its error, if it failed, so that a checkpoint without
+        its drafter never passes unnoticed."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._write_error is not None:
+            folder, error = self._write_error
+            self._write_error = None
+            raise RuntimeError(
+                f"Writing the drafter of {folder} failed ({type(error).__name__}: {error}); that checkpoint has no "
+                f"{DRAFTER_DIR}/ and cannot be resumed with it. The previous checkpoints are intact."
+            ) from error
+
+    def load(self, folder: Path, rank: int, policy: PreTrainedModel) -> None:
+        """From a checkpoint folder: the drafter's weights, in place (the engine's drafter and spot training's
+        optimizer keep referring to the same parameters), then this rank's rollout state."""
+        self._load_drafter(folder, policy)
+        path = folder / ROLLOUT_STATE_NAME.format(rank=rank)
+        if path.is_file():
+            self.load_state_dict(torch.load(path, weights_only=True))
+            return
+        legacy = {}  # a checkpoint written before the per-rank state: what it kept
+        if (folder / HISTORY_NAME.format(rank=rank)).is_file():
+            legacy["history"] = json.loads((folder / HISTORY_NAME.format(rank=rank)).read_text())
+        if (folder / DRAFTER_DIR / SPOT_STATE_NAME).is_file():
+            legacy["spot"] = torch.load(folder / DRAFTER_DIR / SPOT_STATE_NAME, weights_only=True)
+        self.load_state_dict(legacy)
+
+    def _load_drafter(self, folder: Path, policy: PreTrainedModel) -> None:
+        drafter = self.trainable_drafter
+        if drafter is None:
+            return
+        path = folder / DRAFTER_DIR
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{folder} has no {DRAFTER_DIR}/ (the run stopped before its drafter was written); delete that "
+                "checkpoint to resume from the previous one, or resume with drafter_type='none'."
+            )
+        if isinstance(drafter, Eagle3Model):
+            saved = Eagle3Model.from_pretrained(path, policy)
+            if saved.config.draft_vocab_size != drafter.config.draft_vocab_size:  # fitted to the policy's tokens
+                drafter.resize_draft_vocab(saved.draft_ids, policy.get_output_embeddings().weight)
+                if self.spot is not None:
+                    self.spot.drafter_resized()
+            drafter.load_state_dict(saved.state_dict(), strict=False)
+        elif (path / "adapter_model.safetensors").is_file():
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(drafter, load_file(str(path / "adapter_model.safetensors")))
+        else:
+            drafter.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)

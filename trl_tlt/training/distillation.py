@@ -1,0 +1,417 @@
+"""Drafter training by distillation toward the policy's next-token distribution (EAGLE-3 head or small LM).
+
+The loss is the forward KL from the policy's distribution to the drafter's, computed by liger-kernel's chunked
+fused-linear JSD loss (beta = 0): neither side's vocabulary-sized logits are ever materialized for the whole
+sequence. Only completion tokens count. The EAGLE-3 head trains with the training-time test (TTT): `ttt_length`
+unrolled draft steps, step j weighted by `step_weights[j]`, over packed rows whose samples never attend across
+each other. An optional SmoothL1 term regresses the drafter's normed output onto the policy's last hidden state
+(as the TLT reference does with EAGLE-1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+from transformers import PreTrainedModel
+
+from ..drafters.eagle3 import Eagle3Model, shift_left
+
+
+@dataclass
+class DrafterSample:
+    """One rollout: `token_ids` = prompt + completion; only the completion's tokens are trained on."""
+
+    token_ids: list[int]
+    prompt_length: int
+
+
+@dataclass
+class Features:
+    """The policy's view of one sample: aux hidden states (N, 3H; None for LM drafters) and last (normed) hidden
+    states (N, H)."""
+
+    sample: DrafterSample
+    aux: torch.Tensor | None
+    last: torch.Tensor
+
+
+@dataclass
+class DistillConfig:
+    """Drafter-training settings.
+
+    Args:
+        ttt_length: Unrolled draft steps of the EAGLE-3 training-time test.
+        step_weights: Weight of each TTT step (default 0.8 ** j, as SpecForge).
+        hidden_loss_weight: Weight of the SmoothL1 regression onto the policy's last hidden state (0 = off).
+        max_tokens_per_batch: Packed tokens per optimizer step.
+        chunk_size: Rows per chunk of the fused-linear loss.
+    """
+
+    ttt_length: int = 4
+    step_weights: list[float] | None = None
+    hidden_loss_weight: float = 0.0
+    max_tokens_per_batch: int = 4096
+    chunk_size: int = 1024
+    weights: list[float] = field(init=False)
+
+    def __post_init__(self):
+        if self.ttt_length < 1:
+            raise ValueError(f"`ttt_length` must be >= 1, got {self.ttt_length}.")
+        self.weights = list(self.step_weights or [0.8**j for j in range(self.ttt_length)])
+        if len(self.weights) != self.ttt_length:
+            raise ValueError(f"`step_weights` needs {self.ttt_length} entries (ttt_length), got {len(self.weights)}.")
+
+
+@torch.no_grad()
+def policy_features(
+    policy: PreTrainedModel, samples: list[DrafterSample], aux_layer_ids: list[int], batch_size: int = 16
+) -> list[Features]:
+    """One forward of the policy per batch of samples (right-padded); hidden states stay on the policy's device."""
+    out: list[Features] = []
+    device = policy.device
+    for begin in range(0, len(samples), batch_size):
+        batch = samples[begin : begin + batch_size]
+        width = max(len(s.token_ids) for s in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, s in enumerate(batch):
+            ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids)
+            mask[i, : len(s.token_ids)] = 1
+        decoder = policy.get_decoder()  # the transformer body: no vocabulary-sized logits (also through peft)
+        result = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+        aux = torch.cat([result.hidden_states[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        for i, s in enumerate(batch):
+            n = len(s.token_ids)
+            out.append(
+                Features(s, None if aux is None else aux[i, :n].clone(), result.last_hidden_state[i, :n].clone())
+            )
+    return out
+
+
+@dataclass
+class PackedBatch:
+    """Drafter index t of a sample pairs the policy's state at position t with token t+1 (length N-1).
+
+    `teacher[t]` is the policy's last hidden state at position t+1 (its distribution over token t+2), and
+    `loss_mask[t]` marks indices whose predicted token t+2 is a completion token that exists.
+    """
+
+    input_ids: torch.Tensor  # (B, T)
+    aux: torch.Tensor  # (B, T, 3H)
+    teacher: torch.Tensor  # (B, T, H)
+    position_ids: torch.Tensor  # (B, T)
+    seq_ids: torch.Tensor  # (B, T), 0 = padding
+    loss_mask: torch.Tensor  # (B, T) bool
+
+
+def pack(features: list[Features], max_tokens: int) -> list[PackedBatch]:
+    """First-fit packing of samples into rows of at most `max_tokens` (longer samples get a row of their own)."""
+    rows: list[list[Features]] = []
+    sizes: list[int] = []
+    for f in sorted(features, key=lambda f: -len(f.sample.token_ids)):
+        n = len(f.sample.token_ids) - 1
+        for i, size in enumerate(sizes):
+            if size + n <= max_tokens:
+                rows[i].append(f)
+                sizes[i] += n
+                break
+        else:
+            rows.append([f])
+            sizes.append(n)
+    # One row per batch: rows are already up to max_tokens long.
+    return [_pack_row(row) for row in rows]
+
+
+def _pack_row(row: list[Features]) -> PackedBatch:
+    ids, aux, teacher, pos, seq, mask = [], [], [], [], [], []
+    for sid, f in enumerate(row, start=1):
+        tokens, n, p = f.sample.token_ids, len(f.sample.token_ids) - 1, f.sample.prompt_length
+        ids.append(torch.tensor(tokens[1:]))
+        aux.append(f.aux[:n])
+        teacher.append(f.last[1:])
+        pos.append(torch.arange(n))
+        seq.append(torch.full((n,), sid))
+        t = torch.arange(n)
+        mask.append((t >= p - 2) & (t <= n - 2))  # predicted token t+2 is a completion token, inside the sample
+    device = aux[0].device
+    return PackedBatch(
+        input_ids=torch.cat(ids)[None].to(device),
+        aux=torch.cat(aux)[None],
+        teacher=torch.cat(teacher)[None],
+        position_ids=torch.cat(pos)[None].to(device),
+        seq_ids=torch.cat(seq)[None].to(device),
+        loss_mask=torch.cat(mask)[None].to(device),
+    )
+
+
+def distill_kl(
+    student_in: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_in: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Mean over rows of KL(policy || drafter), chunked and fused with both LM heads (liger-kernel)."""
+    loss_fn = LigerFusedLinearJSDLoss(
+        weight_hard_loss=0.0,
+        weight_soft_loss=1.0,
+        beta=0.0,  # generalized JSD at beta 0 = forward KL(teacher || student)
+        compiled=student_in.is_cuda,
+        chunk_size=chunk_size,
+    )
+    labels = torch.zeros(student_in.size(0), dtype=torch.long, device=student_in.device)
+    return loss_fn(student_in, student_weight, teacher_in.to(student_in.dtype), teacher_weight, labels)
+
+
+@torch.no_grad()
+def top1_agreement(student_in, student_weight, teacher_in, teacher_weight, chunk_size: int = 1024) -> float:
+    """Fraction of rows where drafter and policy agree on the most likely token (chunked)."""
+    hits = 0
+    for begin in range(0, student_in.size(0), chunk_size):
+        s = student_in[begin : begin + chunk_size] @ student_weight.t()
+        t = teacher_in[begin : begin + chunk_size].to(teacher_weight.dtype) @ teacher_weight.t()
+        hits += int((s.argmax(-1) == t.argmax(-1)).sum())
+    return hits / max(student_in.size(0), 1)
+
+
+def eagle3_loss(
+    head: Eagle3Model, policy_head_weight: torch.Tensor, batch: PackedBatch, config: DistillConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """TTT distillation loss of one packed batch; returns the loss and per-step metrics."""
+    teacher_weight = policy_head_weight.detach()[head.draft_ids]
+    fused = head.fc(batch.aux.to(head.fc.weight.dtype))
+    outputs = head.ttt_forward(batch.input_ids, fused, batch.position_ids, batch.seq_ids, config.ttt_length)
+    total = fused.new_zeros(())
+    metrics: dict[str, float] = {}
+    for j, prenorm in enumerate(outputs):
+        same = shift_left(batch.seq_ids, j, -1) == batch.seq_ids
+        mask = shift_left(batch.loss_mask, j, False) & same & (batch.seq_ids > 0)
+        if not mask.any():
+            continue
+        student = head.norm(prenorm)[mask]
+        teacher = shift_left(batch.teacher, j, 0.0)[mask]
+        kl = distill_kl(student, head.lm_head.weight, teacher, teacher_weight, config.chunk_size)
+        total = total + config.weights[j] * kl
+        metrics[f"kl_{j}"] = float(kl.detach())
+        metrics[f"acc_{j}"] = top1_agreement(student.detach(), head.lm_head.weight, teacher, teacher_weight)
+        if config.hidden_loss_weight:
+            total = total + config.hidden_loss_weight * F.smooth_l1_loss(student, teacher.to(student.dtype))
+    return total, metrics
+
+
+def lm_distill_loss(
+    drafter: PreTrainedModel, policy_head_weight: torch.Tensor, features: list[Features], chunk_size: int = 1024
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Small-LM drafter (full or PEFT-LoRA): next-token distillation on completion tokens, one padded batch."""
+    width = max(len(f.sample.token_ids) for f in features)
+    device = drafter.device
+    ids = torch.zeros((len(features), width), dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        ids[i, : len(f.sample.token_ids)] = torch.tensor(f.sample.token_ids, device=device)
+        attn[i, : len(f.sample.token_ids)] = 1
+    hidden = drafter(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+    students, teachers = [], []
+    for i, f in enumerate(features):
+        n, p = len(f.sample.token_ids), f.sample.prompt_length
+        students.append(hidden[i, p - 1 : n - 1])  # position t predicts token t+1, a completion token
+        teachers.append(f.last[p - 1 : n - 1])
+    vocab = policy_head_weight.size(0)
+    student_weight = drafter.get_output_embeddings().weight[:vocab]
+    student, teacher = torch.cat(students), torch.cat(teachers)
+    loss = distill_kl(student, student_weight, teacher, policy_head_weight.detach(), chunk_size)
+    acc = top1_agreement(student.detach(), student_weight, teacher, policy_head_weight)
+    return loss, {"kl_0": float(loss.detach()), "acc_0": acc}
+
+
+def cosine_lr(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
+
+
+def train_drafter(
+    policy: PreTrainedModel,
+    drafter: Eagle3Model | PreTrainedModel,
+    samples: list[DrafterSample],
+    epochs: int = 1,
+    learning_rate: float = 1e-3,
+    config: DistillConfig | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict[str, float]]:
+    """Warm-start (or continue training) a drafter on rollouts of `policy`; returns the per-step metrics.
+
+    `drafter`: an `Eagle3Model`, or a causal LM sharing the policy's tokenizer (wrap it with peft first to train
+    LoRA adapters only). The policy stays frozen; its features are computed once.
+    """
+    from tqdm.auto import tqdm
+
+    config = config or DistillConfig()
+    is_eagle = isinstance(drafter, Eagle3Model)
+    aux_ids = drafter.aux_layer_ids if is_eagle else []
+    features = policy_features(policy, samples, aux_ids)
+    if is_eagle:
+        batches: list = pack(features, config.max_tokens_per_batch)
+    else:  # padded batches of similar lengths, about max_tokens_per_batch tokens each
+        ordered = sorted(features, key=lambda f: len(f.sample.token_ids))
+        batches, current = [], []
+        for f in ordered:
+            if current and len(f.sample.token_ids) * (len(current) + 1) > config.max_tokens_per_batch:
+                batches.append(current)
+                current = []
+            current.append(f)
+        batches.append(current)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The drafter has no trainable parameters.")
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    total = epochs * len(batches)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_lr(s, total, max(total // 20, 1)))
+    head_weight = policy.get_output_embeddings().weight
+    generator = torch.Generator().manual_seed(seed)
+    history: list[dict[str, float]] = []
+    drafter.train()
+    bar = tqdm(total=total, desc="drafter", disable=not progress)
+    for _ in range(epochs):
+        for index in torch.randperm(len(batches), generator=generator).tolist():
+            if is_eagle:
+                loss, metrics = eagle3_loss(drafter, head_weight, batches[index], config)
+            else:
+                loss, metrics = lm_distill_loss(drafter, head_weight, batches[index], config.chunk_size)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            scheduler.step()
+            metrics["loss"] = float(loss.detach())
+            history.append(metrics)
+            bar.update()
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics.get('acc_0', 0):.2f}")
+    bar.close()
+    drafter.eval()
+    return history
+
+
+@torch.no_grad()
+def generate_samples(
+    policy: PreTrainedModel,
+    prompts: list[list[int]],
+    params,
+    batch_size: int = 64,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[DrafterSample]:
+    """The policy's own completions of `prompts` (the engine without speculation)."""
+    from tqdm.auto import tqdm
+
+    from ..engine.generate import SpeculativeEngine
+
+    engine = SpeculativeEngine(policy)
+    generator = torch.Generator(device=policy.device).manual_seed(seed)
+    samples = []
+    with tqdm(total=len(prompts), desc="policy samples", unit="prompt", disable=not progress) as bar:
+        for begin in range(0, len(prompts), batch_size):
+            batch = prompts[begin : begin + batch_size]
+            out = engine.generate(batch, params, generator=generator)
+            samples += [DrafterSample(p + c, len(p)) for p, c in zip(batch, out.completion_ids, strict=True) if c]
+            bar.update(len(batch))
+    return samples
+
+
+@torch.no_grad()
+def evaluate_acceptance(
+    policy: PreTrainedModel, drafter, prompts: list[list[int]], params, k: int = 4, batch_size: int = 64, seed: int = 0
+) -> dict:
+    """Speculate k tokens at every step; mean acceptance length and acceptance rate per draft position."""
+    from ..engine.generate import SpeculativeEngine
+
+    engine = SpeculativeEngine(policy, drafter=drafter, num_speculative_tokens=k)
+    generator = torch.Generator(device=policy.device).manual_seed(seed)
+    drafts, accepted, per_pos = 0, 0, [0] * k
+    for begin in range(0, len(prompts), batch_size):
+        stats = engine.generate(prompts[begin : begin + batch_size], params, generator=generator).stats
+        drafts += stats.num_drafts
+        accepted += stats.num_accepted_tokens
+        for j, count in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos[j] += count
+    return {
+        "k": k,
+        "num_prompts": len(prompts),
+        "num_drafts": drafts,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate_per_position": [c / drafts if drafts else 0.0 for c in per_pos],
+    }
+
+
+def warm_start_drafter(
+    policy: PreTrainedModel,
+    prompts: list[list[int]],
+    output_dir,
+    params,
+    drafter: PreTrainedModel | None = None,
+    completions: list[list[int]] | None = None,
+    eval_prompts: list[list[int]] | None = None,
+    epochs: int = 3,
+    learning_rate: float = 1e-3,
+    config: DistillConfig | None = None,
+    draft_vocab_size: int | None = None,
+    aux_hidden_state_layer_ids: list[int] | None = None,
+    k: int = 4,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Train a drafter for `policy` offline, evaluate its acceptance on `eval_prompts`, save it to `output_dir`.
+
+    `drafter=None` builds a new EAGLE-3 head (draft vocabulary from the rollouts' token frequencies); otherwise
+    `drafter` is a small causal LM (optionally a peft model: LoRA adapters only). `completions` (aligned with
+    `prompts`) skip generation; by default the policy completes every prompt with `params`, as in RL.
+    Returns a report (also written to `output_dir/train_report.json`).
+    """
+    import json
+    import time
+    from pathlib import Path
+
+    from ..drafters import ModelDrafter
+    from ..drafters.eagle3 import Eagle3Drafter
+
+    start = time.perf_counter()
+    if completions is None:
+        samples = generate_samples(policy, prompts, params, seed=seed, progress=progress)
+    else:
+        samples = [DrafterSample(p + c, len(p)) for p, c in zip(prompts, completions, strict=True) if c]
+    if not samples:
+        raise ValueError("No training samples: every completion is empty.")
+    generate_s = time.perf_counter() - start
+    vocab = policy.config.get_text_config().vocab_size
+    if drafter is None:
+        counts = torch.zeros(vocab)
+        for s in samples:
+            counts += torch.bincount(torch.tensor(s.token_ids[s.prompt_length :]), minlength=vocab)[:vocab]
+        model = Eagle3Model.for_policy(policy, aux_hidden_state_layer_ids, draft_vocab_size, counts)
+        make = Eagle3Drafter
+    else:
+        model = drafter
+
+        def make(m):
+            return ModelDrafter(m, vocab)
+
+    report: dict = {"num_samples": len(samples), "num_tokens": sum(len(s.token_ids) for s in samples)}
+    if eval_prompts:
+        report["before"] = evaluate_acceptance(policy, make(model), eval_prompts, params, k=k, seed=seed)
+    train_start = time.perf_counter()
+    history = train_drafter(policy, model, samples, epochs, learning_rate, config, seed, progress)
+    report["train_seconds"] = time.perf_counter() - train_start
+    report["generate_seconds"] = generate_s
+    report["first"] = history[0]  # the first drafter step's loss and accuracies
+    report["final"] = {key: sum(h.get(key, 0.0) for h in history[-10:]) / min(len(history), 10) for key in history[-1]}
+    if eval_prompts:
+        report["after"] = evaluate_acceptance(policy, make(model), eval_prompts, params, k=k, seed=seed)
+    output_dir = Path(output_dir)
+    model.save_pretrained(output_dir)
+    (output_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report

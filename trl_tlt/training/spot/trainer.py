@@ -1,0 +1,429 @@
+"""`SpotTrainer`: drafter optimizer steps in a rank's idle time (or within the time budget), the ranks' drafters merged."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from ...drafters.draft_vocab import DraftVocabulary, fitted_size
+from ...drafters.eagle3 import Eagle3Model
+from ..distillation import DistillConfig, DrafterSample, eagle3_loss, lm_distill_loss, pack, policy_features
+from .buffer import DataBuffer, take_tokens
+from .schedule import SpotBudget, SpotSchedule
+
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class SpotStats:
+    """What one spot phase (between the end of this rank's rollout and the next RL work) did on this rank."""
+
+    idle_seconds: float = 0.0  # this rank's wait for the others (0 with one process)
+    seconds_used: float = 0.0  # time spent on drafter steps (and held-out evaluation)
+    steps: int = 0  # drafter optimizer steps completed
+    preempted: int = 0  # drafter steps abandoned because the other ranks were done
+    resets: int = 0  # drafter steps discarded, or weights rolled back, because something was not finite
+    losses: list[float] = field(default_factory=list)
+    eval_acceptance_length: float | None = None  # estimate on the latest rollout's held-out sequences
+    skipped: bool = False  # one process: the phase was skipped whole (a drafter that does not pay, left idle)
+    budget_seconds: float | None = None  # one process: the credit the time budget gave this phase
+    draft_vocab_coverage: float | None = None  # share of the latest rollout's tokens in the draft vocabulary
+    draft_vocab_revised: bool = False  # the draft vocabulary was re-chosen at this phase
+    summary: dict = field(default_factory=dict)  # over all ranks: total steps, mean seconds, mean loss
+
+    def _local_totals(self) -> list[float]:
+        evaluated = self.eval_acceptance_length is not None
+        return [
+            float(self.steps), self.idle_seconds, self.seconds_used, sum(self.losses),
+            self.eval_acceptance_length or 0.0, float(evaluated), float(self.resets), 1.0,
+        ]  # fmt: skip
+
+    def summarize(self, totals: list[float]) -> None:
+        steps, idle, used, loss_sum, eval_sum, evaluated, resets, ranks = totals
+        self.summary = {
+            "steps": steps,
+            "resets": resets,
+            "idle_seconds": idle / ranks,
+            "seconds_used": used / ranks,
+            "loss": loss_sum / steps if steps else None,
+            "eval_acceptance_length": eval_sum / evaluated if evaluated else None,
+        }
+
+
+class SpotTrainer:
+    """Online drafter training (EAGLE-3 head or small LM) on a `DataBuffer` of the policy's rollouts.
+
+    Args:
+        drafter: The drafter's model, trained in place (the generation engine sees every update).
+        buffer: The recent rollouts it trains on (`DataBuffer`).
+        schedule: The learning rate (AdamW) over the drafter's steps (`SpotSchedule`).
+        tokens_per_step: Packed tokens per drafter optimizer step (smaller = finer preemption).
+        config: TTT / loss settings.
+        group: Process group for the idle barrier and the merge (a dedicated gloo group), or None for one process.
+            Its timeout bounds every wait for the other ranks: a rank that died or hangs becomes an error.
+        seed: Seed of the stream that samples the buffer (one per rank).
+        budget: One process: how much of the time budget each phase spends (`SpotBudget`).
+        steps_per_phase: Exactly this many drafter steps per phase instead of the budget (one process) or the idle
+            time (several), None: those decide.
+        vocab: A new EAGLE-3 head's draft vocabulary, revised from the rollouts' token counts (None: kept as it is).
+        fit_vocab: Size `vocab` to the tokens the policy uses at the first rollout.
+
+    Example:
+        >>> spot = SpotTrainer(head, DataBuffer(window=2), tokens_per_step=256)
+        >>> spot.observe_rollout(prompt_ids, completion_ids)
+        >>> stats = spot.run_between_rollouts(policy, rollout_seconds=4.0)
+    """
+
+    def __init__(
+        self,
+        drafter: Eagle3Model | PreTrainedModel,
+        buffer: DataBuffer,
+        schedule: SpotSchedule | None = None,
+        tokens_per_step: int = 256,
+        config: DistillConfig | None = None,
+        group=None,
+        seed: int = 0,
+        budget: SpotBudget | None = None,
+        steps_per_phase: int | None = None,
+        vocab: DraftVocabulary | None = None,
+        fit_vocab: bool = False,
+    ):
+        self.drafter, self.buffer, self.group = drafter, buffer, group
+        self.schedule = schedule or SpotSchedule()
+        self.budget = budget or SpotBudget()
+        self.steps_per_phase = steps_per_phase
+        self.vocab = vocab
+        self.tokens_per_step = tokens_per_step
+        self.config = config or DistillConfig()
+        if vocab is not None and not isinstance(drafter, Eagle3Model):
+            raise ValueError("Only an EAGLE-3 head has a draft vocabulary to revise (`vocab`).")
+        self.fit_vocab = fit_vocab and vocab is not None
+        self._new_optimizer()
+        self.rng = random.Random(seed)
+        self.total_steps = 0
+        self.total_resets = 0
+        self._phase_resets = 0
+        self._step_seconds: float | None = None  # moving average of a drafter step's time
+        self._rollout_counts: torch.Tensor | None = None  # token counts of the rollouts since the last revision
+        if group is not None:
+            self._broadcast_from_first_rank()
+        self._good = [p.detach().clone() for p in self.params]  # the last weights known to be finite
+
+    @property
+    def drafter_pays(self) -> bool:
+        """False while the time budget leaves the drafter idle (one process: it accepts too little to pay for its
+        drafting): rollouts then run without it, until a probe phase measures that it pays again."""
+        return self.group is not None or self.steps_per_phase is not None or self.budget.share > 0
+
+    def drafter_resized(self) -> None:
+        """The drafter's parameters were replaced (a draft vocabulary of another size, on resume): a new optimizer for
+        them (its state is loaded next), no fitting."""
+        self._new_optimizer()
+        self._good = [p.detach().clone() for p in self.params]
+        self.fit_vocab = False
+        if self.vocab is not None:
+            self.vocab.draft_vocab_size = self.drafter.config.draft_vocab_size
+
+    def _new_optimizer(self) -> None:
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("The drafter has no trainable parameters: nothing for spot training to train.")
+        # The schedule gives the absolute rate: the optimizer's base rate is 1.
+        self.optimizer = torch.optim.AdamW(self.params, lr=1.0, betas=(0.9, 0.95), weight_decay=0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.learning_rate_at)
+
+    @property
+    def is_eagle(self) -> bool:
+        return isinstance(self.drafter, Eagle3Model)
+
+    # ------------------------------------------------------------------------------------------ one step
+    def _loss(self, policy: PreTrainedModel, features) -> tuple[torch.Tensor, dict[str, float]]:
+        head_weight = policy.get_output_embeddings().weight
+        if self.is_eagle:  # one packed row: the sample is already at most tokens_per_step long
+            return eagle3_loss(self.drafter, head_weight, pack(features, 1 << 62)[0], self.config)
+        return lm_distill_loss(self.drafter, head_weight, features, self.config.chunk_size)
+
+    def _features(self, policy: PreTrainedModel, samples: list[DrafterSample]):
+        aux_ids = self.drafter.aux_layer_ids if self.is_eagle else []
+        return policy_features(policy, samples, aux_ids, batch_size=len(samples))
+
+    def step(self, policy: PreTrainedModel, preempt=None) -> float | None:
+        """One drafter optimizer step on a sample of the buffer; returns its loss, or None if there was nothing to
+        train on or `preempt()` became true at a phase boundary (after the policy forward, after the drafter's
+        forward): the step is then dropped whole, the drafter and optimizer untouched."""
+        preempt = preempt or (lambda: False)
+        samples = self.buffer.sample(self.tokens_per_step, self.rng)
+        if not samples:
+            return None
+        features = self._features(policy, samples)
+        if preempt():
+            return None
+        self.drafter.train()
+        try:
+            with torch.enable_grad():
+                loss, _ = self._loss(policy, features)
+                if preempt():
+                    return None
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+        finally:
+            self.drafter.eval()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):  # a fault: the step is dropped
+            self.optimizer.zero_grad(set_to_none=True)
+            self._count_reset()
+            return None
+        self.optimizer.step()
+        self.scheduler.step()
+        self.total_steps += 1
+        if not self.check_weights():  # the step made a weight non-finite: back to the last good ones
+            return None
+        with torch.no_grad():
+            for good, p in zip(self._good, self.params, strict=True):
+                good.copy_(p)
+        return float(loss.detach())
+
+    # ---------------------------------------------------------------------------------------- faults
+    def _count_reset(self) -> None:
+        self.total_resets += 1
+        self._phase_resets += 1
+
+    @torch.no_grad()
+    def check_weights(self) -> bool:
+        """True if every trainable weight is finite; else restore the last good weights, clear the optimizer's
+        moments (they may hold the fault) and count a reset."""
+        if all(bool(torch.isfinite(p).all()) for p in self.params):
+            return True
+        for good, p in zip(self._good, self.params, strict=True):
+            p.copy_(good)
+        self.optimizer.state.clear()
+        self._count_reset()
+        return False
+
+    @torch.no_grad()
+    def evaluate(self, policy: PreTrainedModel, preempt=None) -> float | None:
+        """Estimated acceptance length on the latest rollout's held-out sequences: 1 + sum_j prod_{i<=j} a_i, where
+        a_i is the drafter's top-1 agreement with the policy at draft position i (teacher forced). At most one
+        step's worth of tokens; None if there is nothing held out or `preempt()` became true after the policy
+        forward."""
+        held_out = take_tokens(self.buffer.held_out, self.tokens_per_step)
+        if not held_out:
+            return None
+        features = self._features(policy, held_out)
+        if preempt is not None and preempt():
+            return None
+        _, metrics = self._loss(policy, features)
+        length, run = 1.0, 1.0
+        for j in range(self.config.ttt_length if self.is_eagle else 1):
+            run *= metrics.get(f"acc_{j}", 0.0)
+            length += run
+        return length
+
+    # ------------------------------------------------------------------------------------------ phases
+    def observe_rollout(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
+        """This rank's latest rollout: into the buffer, and its tokens into the draft vocabulary's counts."""
+        self.buffer.add(prompts, completions)
+        if self.vocab is not None:
+            counts = self.vocab.token_counts(completions)
+            self._rollout_counts = counts if self._rollout_counts is None else self._rollout_counts + counts
+
+    @torch.no_grad()
+    def _revise_vocab(self, policy: PreTrainedModel, stats: SpotStats) -> None:
+        """Count the rollouts seen since the last call (summed over ranks) and re-choose the draft vocabulary if it
+        covers too little of them: kept rows keep their weights and optimizer moments, new rows start afresh."""
+        if self.vocab is None or self._rollout_counts is None:
+            return
+        counts, self._rollout_counts = self._rollout_counts, None
+        if self.group is not None:
+            with self._peers("the sum of the ranks' token counts"):
+                dist.all_reduce(counts, group=self.group)
+        self.vocab.observe(counts)
+        if self.fit_vocab:  # once, at the first rollout: size the vocabulary to what the policy uses
+            # Every rank decides alike (the counts are summed over ranks; no per-rank count such as the steps this rank
+            # took while waiting): the next merge all-reduces heads of the size chosen here.
+            self.fit_vocab = False
+            self.vocab.draft_vocab_size = fitted_size(self.vocab.counts, self.vocab.draft_vocab_size)
+        new_ids = self.vocab.revised(self.drafter.draft_ids)
+        if new_ids is not None and new_ids.numel() != self.drafter.config.draft_vocab_size:
+            self.drafter.resize_draft_vocab(new_ids, policy.get_output_embeddings().weight)
+            self._new_optimizer()
+            self._good = [p.detach().clone() for p in self.params]
+            stats.draft_vocab_revised = True
+            logger.info(
+                f"Draft vocabulary fitted to the policy's tokens: {new_ids.numel()} of {self.vocab.vocab_size}."
+            )
+        elif new_ids is not None:
+            self._remap_vocab(new_ids, policy)
+            stats.draft_vocab_revised = True
+        stats.draft_vocab_coverage = self.vocab.coverage(self.drafter.draft_ids)
+
+    @torch.no_grad()
+    def _remap_vocab(self, new_ids: torch.Tensor, policy: PreTrainedModel) -> None:
+        weight = self.drafter.lm_head.weight
+        source = self.drafter.remap_vocab(new_ids, policy.get_output_embeddings().weight).to(weight.device)
+        kept = source >= 0
+        for moment in self.optimizer.state.get(weight, {}).values():
+            if torch.is_tensor(moment) and moment.shape == weight.shape:
+                fresh = torch.zeros_like(moment)
+                fresh[kept] = moment[source[kept]]
+                moment.copy_(fresh)
+        for good, p in zip(self._good, self.params, strict=True):
+            good.copy_(p)
+
+    def _may_step(self, steps_taken: int) -> bool:
+        """One process: exactly `steps_per_phase` steps, or steps while the credit covers a step's expected time."""
+        if self.steps_per_phase is not None:
+            return steps_taken < self.steps_per_phase
+        return self.budget.credit > 0 and self.budget.credit >= (self._step_seconds or 0.0)
+
+    def run_between_rollouts(self, policy: PreTrainedModel, rollout_seconds: float = 0.0) -> SpotStats:
+        """One process: drafter steps within the budget `SpotBudget` gives this phase (`time_budget x
+        rollout_seconds x share`), or exactly `steps_per_phase` of them; timed (this time is added to the RL step)."""
+        stats = SpotStats()
+        start = time.perf_counter()
+        self._phase_resets = 0
+        self.check_weights()
+        self._revise_vocab(policy, stats)
+        if self.steps_per_phase is None and self.budget.skips_phase():
+            stats.skipped = True
+            stats.summarize(stats._local_totals())
+            return stats
+        evaluation_start = time.perf_counter()
+        stats.eval_acceptance_length = self.evaluate(policy)
+        self.budget.observe(stats.eval_acceptance_length)
+        if self.steps_per_phase is None:
+            stats.budget_seconds = self.budget.seconds(rollout_seconds)
+            self.budget.spend(time.perf_counter() - evaluation_start)
+        while self._may_step(stats.steps):
+            step_start = time.perf_counter()
+            loss = self.step(policy)
+            seconds = time.perf_counter() - step_start
+            self.budget.spend(seconds)
+            self._step_seconds = seconds if self._step_seconds is None else 0.5 * (self._step_seconds + seconds)
+            if loss is None:
+                break
+            stats.steps += 1
+            stats.losses.append(loss)
+        stats.seconds_used = time.perf_counter() - start
+        stats.resets = self._phase_resets
+        stats.summarize(stats._local_totals())
+        return stats
+
+    def run_while_idle(self, policy: PreTrainedModel) -> SpotStats:
+        """Several processes: train until every rank's rollout is done, then merge the ranks' drafters. With
+        `steps_per_phase`, every rank takes exactly that many steps first, whatever the timing (runs repeat exactly)."""
+        stats = SpotStats()
+        start = time.perf_counter()
+        self._phase_resets = 0
+        self.check_weights()
+        if self.steps_per_phase is not None and self.buffer.samples:
+            stats.eval_acceptance_length = self.evaluate(policy)
+            while stats.steps < self.steps_per_phase and (loss := self.step(policy)) is not None:
+                stats.steps += 1
+                stats.losses.append(loss)
+            stats.seconds_used = time.perf_counter() - start
+        barrier = dist.barrier(group=self.group, async_op=True)
+        done = barrier.is_completed
+        if self.steps_per_phase is None and not done() and self.buffer.samples:
+            stats.eval_acceptance_length = self.evaluate(policy, preempt=done)
+            while not done():
+                loss = self.step(policy, preempt=done)
+                if loss is None:
+                    stats.preempted += 1
+                else:
+                    stats.steps += 1
+                    stats.losses.append(loss)
+            stats.seconds_used = time.perf_counter() - start
+        with self._peers("the idle barrier (waiting for the other ranks' rollouts)"):
+            barrier.wait()
+        stats.idle_seconds = time.perf_counter() - start
+        if not self.check_weights():  # never average a non-finite drafter into the others
+            stats.steps = 0
+        stats.resets = self._phase_resets
+        self._merge(stats)
+        self._revise_vocab(policy, stats)
+        return stats
+
+    @torch.no_grad()
+    def _merge(self, stats: SpotStats) -> None:
+        """Sum the ranks' statistics; if any rank trained, average the drafters weighted by the steps each took."""
+        totals = torch.tensor(stats._local_totals(), dtype=torch.float64)
+        with self._peers("the merge of the ranks' drafters"):
+            dist.all_reduce(totals, group=self.group)
+        stats.summarize(totals.tolist())
+        total_steps = stats.summary["steps"]
+        if total_steps == 0:
+            return
+        flat = torch.cat([p.detach().float().cpu().reshape(-1) for p in self.params]) * (stats.steps / total_steps)
+        with self._peers("the merge of the ranks' drafters"):
+            dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p).to(p.dtype))
+            offset += n
+        for good, p in zip(self._good, self.params, strict=True):
+            good.copy_(p)
+
+    @torch.no_grad()
+    def _broadcast_from_first_rank(self) -> None:
+        for p in self.params:
+            buf = p.detach().cpu().clone()
+            with self._peers("the first rank's broadcast of the initial drafter"):
+                dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
+            p.copy_(buf.to(p.device))
+
+    @contextlib.contextmanager
+    def _peers(self, phase: str):
+        """A collective with the other ranks: if one of them died or hangs (the group's timeout, the trainer's
+        `ddp_timeout`), an error naming this rank and the phase, never a wait forever."""
+        try:
+            yield
+        except RuntimeError as error:  # gloo: connection closed by a dead peer, or timed out
+            raise RuntimeError(
+                f"Spot training, {phase}: rank {dist.get_rank()} got no answer from the other ranks ({error}). One of "
+                "them died or hangs (the wait is bounded by `ddp_timeout`). Resume from the last checkpoint (its "
+                "drafter/ folder holds the drafter)."
+            ) from error
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "total_steps": self.total_steps,
+            "total_resets": self.total_resets,
+            "buffer": self.buffer.state_dict(),
+            "budget": self.budget.state_dict(),
+            "rng": self.rng.getstate(),
+            "step_seconds": self._step_seconds,
+        }
+        if self.vocab is not None:
+            state["vocab"] = self.vocab.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.total_steps = int(state["total_steps"])
+        self.total_resets = int(state.get("total_resets", 0))
+        self.buffer.load_state_dict(state["buffer"])
+        if "budget" in state:  # checkpoints written before the time budget have none
+            self.budget.load_state_dict(state["budget"])
+        if "rng" in state:  # nor, before the per-rank state, the sampling stream
+            self.rng.setstate(state["rng"])
+            self._step_seconds = state["step_seconds"]
+        if self.vocab is not None and "vocab" in state:
+            self.vocab.load_state_dict(state["vocab"])
+        self.fit_vocab = False  # a resumed head was fitted (or chosen) before it was saved
+        with torch.no_grad():  # the resumed weights are the good ones
+            for good, p in zip(self._good, self.params, strict=True):
+                good.copy_(p)

