@@ -23,6 +23,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from testing_utils import multiply_tool  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -34,20 +35,6 @@ def digest(tensors) -> str:
     for tensor in tensors:
         h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def multiply_tool(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The product of the two integers.
-    """
-    return a * b
 
 
 class KillAfter(TrainerCallback):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testing_utils import TOOL_CALL, tool_calling_policy
 
 from trl_tlt.tooling.cli import ACCELERATE_CONFIGS
 from trl_tlt.tooling.tiny import build_tiny_model, extend_vocabulary
@@ -167,36 +168,9 @@ TOOL_PROMPT, PLAIN_PROMPT = "Multiply 3 by 4.", "Say hi."
 
 @pytest.fixture(scope="module")
 def tool_policy_dir(tokenizer, tmp_path_factory) -> str:
-    """A tiny policy taught (greedy) to call `multiply_tool` on TOOL_PROMPT and to answer PLAIN_PROMPT at once, under
-    Qwen2.5's chat template, which TRL parses tool calls from."""
-    import copy
-
-    import trl
-    from _matrix_run import multiply_tool
-
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
-    model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=3, max_position_embeddings=2048).train()
-    tool_call = '<tool_call>\n{"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
-    rows = []
-    for prompt, answer in ((TOOL_PROMPT, tool_call), (PLAIN_PROMPT, "hi<|im_end|>")):
-        messages = [{"role": "user", "content": prompt}]
-        head = tokenizer.apply_chat_template(
-            messages, tools=[multiply_tool], add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer(head + answer)["input_ids"]
-        rows.append((ids, len(tokenizer(head)["input_ids"])))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        for _ in range(80):
-            for ids, start in rows:
-                labels = torch.tensor([ids])
-                labels[:, :start] = -100  # learn the answer only
-                model(input_ids=torch.tensor([ids]), labels=labels).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+    """A tiny policy taught (greedy) to call `multiply_tool` on TOOL_PROMPT and to answer PLAIN_PROMPT at once."""
+    model, tool_tokenizer = tool_calling_policy(tokenizer, {TOOL_PROMPT: TOOL_CALL, PLAIN_PROMPT: "hi<|im_end|>"})
     path = tmp_path_factory.mktemp("tool-policy")
-    model.eval().save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    model.save_pretrained(path)
+    tool_tokenizer.save_pretrained(path)
     return str(path)

@@ -362,23 +362,24 @@ def multiply_tool(a: int, b: int) -> int:
 TOOL_CALL = '<tool_call>\n{"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
 
 
-def tool_calling_policy(tokenizer):
-    """A tiny policy taught to answer any prompt with a call of `multiply_tool` (greedy), under Qwen2.5's chat
-    template, which TRL parses tool calls from."""
+def tool_calling_policy(tokenizer, answers: dict[str, str] | None = None):
+    """A tiny policy taught (greedy) to answer each prompt of `answers` with its answer (default: every one of PROMPTS
+    with a call of `multiply_tool`), under Qwen2.5's chat template, which TRL parses tool calls from."""
     import copy
 
     import trl
 
+    answers = answers or dict.fromkeys(PROMPTS, TOOL_CALL)
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
     model = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=3, max_position_embeddings=2048).train()
     rows = []
-    for prompt in PROMPTS:
+    for prompt, answer in answers.items():
         messages = [{"role": "user", "content": prompt}]
         head = tokenizer.apply_chat_template(
             messages, tools=[multiply_tool], add_generation_prompt=True, tokenize=False
         )
-        ids = tokenizer(head + TOOL_CALL)["input_ids"]
+        ids = tokenizer(head + answer)["input_ids"]
         rows.append((ids, len(tokenizer(head)["input_ids"])))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     with torch.random.fork_rng(devices=[]):
