@@ -204,9 +204,9 @@ def test_two_ranks_train_while_idle_and_merge():
     assert first["summary"]["steps"] == first["steps"] and first["summary"]["loss"] is not None
 
 
-def _two_ranks_fitted_vocab(rank, init_file, results):
+def _two_ranks_fitted_vocab(rank, init_file, results, silent_rank=None):
     """Two rollouts with a new head whose draft vocabulary is fitted at the first: rank 0 trains while rank 1 is still
-    "generating", rank 1 does not."""
+    "generating", rank 1 does not. `silent_rank` sees no rollout at the first (a rank with no turn of its own)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     config = Qwen2Config(
@@ -216,14 +216,15 @@ def _two_ranks_fitted_vocab(rank, init_file, results):
     torch.manual_seed(0)
     policy = Qwen2ForCausalLM(config).eval()
     head = Eagle3Model.for_policy(policy, draft_vocab_size=4096)
-    group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
     spot = SpotTrainer(
         head, DataBuffer(window=2), tokens_per_step=64, group=group, seed=rank,
         vocab=DraftVocabulary(4096, 4096), fit_vocab=True,
     )  # fmt: skip
     sizes = []
     for step in range(2):
-        spot.observe_rollout(*rollout(16, 20, offset=rank + step))
+        if not (step == 0 and rank == silent_rank):
+            spot.observe_rollout(*rollout(16, 20, offset=rank + step))
         if rank == 1:
             time.sleep(1.5)
         stats = spot.run_while_idle(policy)
@@ -249,6 +250,20 @@ def test_two_ranks_fit_the_draft_vocabulary_alike(tmp_path):
         first, second = results[0], results[1]
     assert first["sizes"] == second["sizes"] == [1024, 1024]  # fitted at the first rollout, on both ranks
     assert first["steps"] > 0 and torch.equal(first["flat"], second["flat"])
+
+
+def test_a_rank_that_saw_no_rollout_still_sums_the_token_counts(tmp_path):
+    """Mutation caught: `_revise_vocab` returning early on a rank with no token counts of its own (a rollout with no
+    turn of ours on that rank) while the others all-reduce theirs: the others waited until the group's timeout."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(
+            _two_ranks_fitted_vocab, args=(str(tmp_path / "init"), results, 1), nprocs=2, join=True,
+            start_method="spawn",
+        )  # fmt: skip
+        first, second = results[0], results[1]
+    assert first["sizes"] == second["sizes"] and torch.equal(first["flat"], second["flat"])
 
 
 def _rank_fails(rank, init_file, results, policy_state, failure):

@@ -390,7 +390,9 @@ def _checked_draft(
     Cutting, never dropping the whole row: whether d_1..d_j are verified may then depend on d_1..d_{j+1} (a draft
     length chosen as the draft goes: lossless), never on a later position's fault, which may itself depend on d_j (a
     user drafter whose q at j + 1 breaks after some d_j): rows dropped whole for it would be a biased selection of
-    their first tokens. Returns token ids, q and sources made safe, the drafts kept per row (B,) and the rows cut
+    their first tokens. Exact for a drafter whose tokens are samples of the q it reports; one that drafts a token
+    outside the vocabulary or of probability 0 under its own q is not sampling from it, and no check can make its
+    drafts exact (they are cut; only their speed is lost when such faults do not depend on the token drawn). Returns token ids, q and sources made safe, the drafts kept per row (B,) and the rows cut
     (B,)."""
     ids = draft.token_ids  # (B, L)
     width = ids.size(1)

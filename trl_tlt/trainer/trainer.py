@@ -109,7 +109,11 @@ class TLTGRPOTrainer(GRPOTrainer):
     # runs once per rollout, at its end (`_end_rollout`), so that every rank runs the same collectives in the same order.
     def _generate(self, prompts):
         self.tlt.open_rollout()
-        output = super()._generate(prompts)
+        try:
+            output = super()._generate(prompts)
+        except BaseException:
+            self.tlt.close_rollout()  # a failed rollout's turns never reach the next one's history or drafter
+            raise
         self._end_rollout()  # where `_generate_single_turn` or `_tool_call_loop` did not end it already
         return output
 
@@ -176,26 +180,30 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     def _end_rollout(self) -> None:
         """Once per rollout, on every rank (see `_generate`), training only: its turns into the prompt history, the
-        vLLM drafter watched, the drafter trained (spot training) and pushed into vLLM."""
+        drafter trained (spot training: first, while the other ranks may still generate) and pushed into vLLM, then
+        vLLM's drafter watched (a sum over ranks, which ends the ranks' idle time: after spot training)."""
         stack = self.tlt
         turns = stack.close_rollout()
         if turns is None:
             return
-        # A server's speculation is not reported: its rollouts are checked as if it had speculated.
-        stack.rollout_speculated |= self.use_vllm and self.args.vllm_mode == "server"
+        # Whether the check of vLLM's samples runs: vLLM set to speculate (colocate with a drafter, not turned off; a
+        # server's speculation is not reported), whatever the turns recorded (a rollout_func's own calls are not).
+        stack.rollout_speculated |= self.use_vllm and (
+            self.args.vllm_mode == "server" or self.vllm_generation.speculating
+        )
         if not self.model.training:
             return
-        if stack.watchdog is not None:
-            self._watch_vllm_drafter(turns)
         if stack.spot is None or (self.use_vllm and not self.vllm_generation.speculating):
             stack.end_rollout(None, turns)  # the prompt history only
-            return
-        with profiling_context(self, "tlt.spot_training"), self._unwrapped_for_generation() as unwrapped_model:
-            spot = stack.end_rollout(unwrapped_model, turns)
-        self._log(spot_metrics(spot, stack.spot))  # in training mode again: the context put the policy in eval
-        if self.use_vllm:
-            with profiling_context(self, "tlt.sync_drafter"):
-                self.vllm_generation.sync_drafter()
+        else:
+            with profiling_context(self, "tlt.spot_training"), self._unwrapped_for_generation() as unwrapped_model:
+                spot = stack.end_rollout(unwrapped_model, turns)
+            self._log(spot_metrics(spot, stack.spot))  # in training mode again: the context put the policy in eval
+            if self.use_vllm:
+                with profiling_context(self, "tlt.sync_drafter"):
+                    self.vllm_generation.sync_drafter()
+        if stack.watchdog is not None:
+            self._watch_vllm_drafter(turns)
 
     def _watch_vllm_drafter(self, turns: list[RolloutTurn]) -> None:
         """The drafter in vLLM, watched on the acceptance of every rank's turns (summed over ranks, so that every rank
@@ -271,7 +279,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         if not bool(self.accelerator.gather(speculated).any()):
             return None
         params = vllm_sampling_params(self.vllm_generation)
-        local = policy_sample_moments(self.model, output, params, self.args.per_device_train_batch_size)
+        with self._unwrapped_for_generation() as unwrapped_model:  # eval mode: no dropout in the policy's forward
+            local = policy_sample_moments(unwrapped_model, output, params, self.args.per_device_train_batch_size)
         return SampleMoments.from_tensor(self.accelerator.reduce(local.as_tensor(device), "sum").cpu())
 
     # --------------------------------------------------------------------------------------- training phase

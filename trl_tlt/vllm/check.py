@@ -166,7 +166,7 @@ def policy_sample_moments(model, output: dict, params: SamplingParams, batch_siz
     completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
     mask = completion_mask.bool()
     if output.get("tool_mask") is not None:  # tool results are not the policy's samples
-        mask &= output["tool_mask"].bool()
+        mask = mask & output["tool_mask"].bool()
     reported = output.get("sampling_per_token_logps")
     length = completion_ids.size(1)
     moments = SampleMoments()

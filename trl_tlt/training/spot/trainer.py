@@ -239,12 +239,15 @@ class SpotTrainer:
     def _revise_vocab(self, policy: PreTrainedModel, stats: SpotStats) -> None:
         """Count the rollouts seen since the last call (summed over ranks) and re-choose the draft vocabulary if it
         covers too little of them: kept rows keep their weights and optimizer moments, new rows start afresh."""
-        if self.vocab is None or self._rollout_counts is None:
+        if self.vocab is None:
             return
         counts, self._rollout_counts = self._rollout_counts, None
-        if self.group is not None:
+        if self.group is not None:  # every rank sums, with zeros where it saw no rollout: the same collectives
+            counts = counts if counts is not None else torch.zeros(self.vocab.vocab_size, dtype=torch.float64)
             with self._peers("the sum of the ranks' token counts"):
                 dist.all_reduce(counts, group=self.group)
+        if counts is None or not counts.any():  # nothing seen (on any rank): nothing to fit or revise
+            return
         self.vocab.observe(counts)
         if self.fit_vocab:  # once, at the first rollout: size the vocabulary to what the policy uses
             # Every rank decides alike (the counts are summed over ranks; no per-rank count such as the steps this rank
