@@ -255,11 +255,12 @@ def build_spot_trainer(args: TLTConfig, drafter, accelerator, use_vllm: bool) ->
 
 # ---------------------------------------------------------------------------------------------------- vLLM
 def build_vllm_generation(
-    args: TLTConfig, policy: PreTrainedModel, device: torch.device, processing_class, **vllm_kwargs
+    args: TLTConfig, policy: PreTrainedModel, device: torch.device, policy_tokenizer, **vllm_kwargs
 ) -> tuple[TLTVLLMGeneration, Drafter | None]:
     """What GRPOTrainer's `__init__` builds as `VLLMGeneration(**vllm_kwargs)`: the same engine, speculating with the
-    trainer's drafter (built here: vLLM loads it from a directory at start). Returns the engine and the drafter."""
-    drafter = build_drafter(args, policy, device, processing_class) if args.vllm_mode == "colocate" else None
+    trainer's drafter (built here: vLLM loads it from a directory at start; `policy_tokenizer`: the trainer's
+    processing class, which a drafter LM must share). Returns the engine and the drafter."""
+    drafter = build_drafter(args, policy, device, policy_tokenizer) if args.vllm_mode == "colocate" else None
     model = drafter.model if isinstance(drafter, Eagle3Drafter | ModelDrafter) else None
     if isinstance(model, Eagle3Model) and not model.exportable:
         raise ValueError(
