@@ -26,7 +26,7 @@ from ..training.distillation import DistillConfig
 from ..training.spot import DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
 from ..vllm.generation import TLTVLLMGeneration, speculative_config
 from ..vllm.watchdog import DrafterWatchdog
-from .stack import RolloutStack
+from .stack import RolloutStack, drafter_model
 
 
 logger = logging.get_logger(__name__)
@@ -58,7 +58,7 @@ def build_rollout_stack(
         history = PromptHistory(args.history_max_tokens) if args.history_max_tokens else None
         hybrid = HybridDrafter(learned, history, learned_tokens=args.num_speculative_tokens)
     speculation = build_speculation(args, drafter, hybrid, policy)
-    model = drafter.model if isinstance(drafter, Eagle3Drafter | ModelDrafter) else None
+    model = drafter_model(drafter)
     spot_on = args.spot_training
     if spot_on is None:  # on whenever the trainer holds a drafter with weights (the engine's, or vLLM colocate's)
         spot_on = model is not None and not (trainer.use_vllm and args.vllm_mode == "server")
@@ -207,7 +207,7 @@ def modelled_step_cost(drafter: Drafter, policy: PreTrainedModel, k_max: int):
     """Cost of a decode step in policy forwards: 1 (the verification, which scores all k+1 positions, or all of a
     tree's nodes, at once, as a memory-bound forward does) + k drafter forwards (a tree's depth), each weighted by
     the drafter's share of the parameters."""
-    model = drafter.model if isinstance(drafter, Eagle3Drafter | ModelDrafter) else None
+    model = drafter_model(drafter)
     ratio = 0.0 if model is None else _num_parameters(model) / _num_parameters(policy)
 
     def cost(arm: Arm) -> float:
@@ -261,7 +261,7 @@ def build_vllm_generation(
     trainer's drafter (built here: vLLM loads it from a directory at start; `policy_tokenizer`: the trainer's
     processing class, which a drafter LM must share). Returns the engine and the drafter."""
     drafter = build_drafter(args, policy, device, policy_tokenizer) if args.vllm_mode == "colocate" else None
-    model = drafter.model if isinstance(drafter, Eagle3Drafter | ModelDrafter) else None
+    model = drafter_model(drafter)
     if isinstance(model, Eagle3Model) and not model.exportable:
         raise ValueError(
             f"vLLM cannot load an EAGLE-3 head with repeated layer ids {model.aux_layer_ids} (a policy with fewer "

@@ -38,6 +38,11 @@ HISTORY_NAME = "tlt_history/rank{rank}.json"  # read from checkpoints written be
 SPOT_STATE_NAME = "spot_state.pt"  # likewise, in drafter/ (the first rank's spot training state)
 
 
+def drafter_model(drafter: Drafter | None) -> Eagle3Model | PreTrainedModel | None:
+    """A drafter's own model (an `Eagle3Model` or a causal LM), or None for model-free drafters and none."""
+    return drafter.model if isinstance(drafter, Eagle3Drafter | ModelDrafter) else None
+
+
 class RolloutTurn(NamedTuple):
     """One generation turn: the prompts (tool results included after a rollout's first turn) and what the policy
     sampled after them, in `seconds`; `spec_stats`: vLLM's acceptance over the turn (None on trl-tlt's engine)."""
@@ -98,9 +103,7 @@ class RolloutStack:
     @property
     def trainable_drafter(self) -> Eagle3Model | PreTrainedModel | None:
         """The drafter's own model (an `Eagle3Model` or a causal LM), or None for model-free drafters."""
-        if isinstance(self.drafter, Eagle3Drafter | ModelDrafter):
-            return self.drafter.model
-        return None
+        return drafter_model(self.drafter)
 
     def refuse_spot_training_without_engine(self) -> None:
         """The engine cannot run this policy: spot training asked for by name is an error; chosen by default, off."""
