@@ -252,7 +252,7 @@ def test_hybrid_trees_run_on_when_the_head_is_left_idle(tiny_model_dirs, tmp_pat
         for arm, stats in bandit._stats[bucket].items():
             stats.count, stats.tokens, stats.seconds = 1, 1e9 if arm == tree else 1.0, 1.0
     trainer.tlt_spot.budget.skip = 100  # the time budget leaves the head idle from the first rollout on
-    trainer.tlt_spot.budget.fast_mean = trainer.tlt_spot.budget.slow_mean = 1.0
+    trainer.tlt_spot.budget.fast_mean, trainer.tlt_spot.budget.recent = 1.0, [1.0] * 6
     trainer.tlt_spot.budget.phases = 100
     assert not trainer.tlt_spot.drafter_pays
     trainer.train()

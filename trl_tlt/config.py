@@ -110,6 +110,11 @@ class TLTConfig(GRPOConfig):
             Rollouts kept in the drafter's data buffer (TLT's one-step offset: the current and the previous one).
         spot_buffer_max_tokens (`int`, *optional*, defaults to `262144`):
             Memory budget of the data buffer in tokens; the oldest sequences are dropped beyond it.
+        spot_buffer_max_memory_mb (`int`, *optional*, defaults to `4096`):
+            Memory budget, in MiB of host memory, of the policy's hidden states the data buffer keeps for drafter
+            training (recorded by the rollout's own forwards, so that a drafter step never runs the policy); the oldest
+            sequences are dropped beyond it. Per token: (auxiliary layers + 1) x hidden size x the policy's bytes per
+            value (an EAGLE-3 head on a 4,096-wide bf16 policy: 32 KiB).
         spot_tokens_per_step (`int`, *optional*, defaults to `256`):
             Packed tokens per drafter optimizer step. A rank that is idle drops its drafter step at the next phase
             boundary once the other ranks are done, so smaller steps delay them less.
@@ -168,6 +173,9 @@ class TLTConfig(GRPOConfig):
     spot_time_budget: float = field(default=0.5, metadata={"help": _help(__doc__, "spot_time_budget")})
     spot_buffer_steps: int = field(default=2, metadata={"help": _help(__doc__, "spot_buffer_steps")})
     spot_buffer_max_tokens: int = field(default=262_144, metadata={"help": _help(__doc__, "spot_buffer_max_tokens")})
+    spot_buffer_max_memory_mb: int = field(
+        default=4096, metadata={"help": _help(__doc__, "spot_buffer_max_memory_mb")}
+    )
     spot_tokens_per_step: int = field(default=256, metadata={"help": _help(__doc__, "spot_tokens_per_step")})
     spot_learning_rate: float = field(default=3e-5, metadata={"help": _help(__doc__, "spot_learning_rate")})
     spot_steps_per_rollout: int | None = field(
@@ -228,7 +236,7 @@ class TLTConfig(GRPOConfig):
             )
         if self.history_max_tokens < 0:
             raise ValueError(f"`history_max_tokens` must be >= 0 (0 = no history), got {self.history_max_tokens}.")
-        for name in ("spot_buffer_steps", "spot_buffer_max_tokens", "spot_tokens_per_step"):
+        for name in ("spot_buffer_steps", "spot_buffer_max_tokens", "spot_buffer_max_memory_mb", "spot_tokens_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if self.spot_cold_start_steps is not None and self.spot_cold_start_steps < 0:

@@ -123,6 +123,10 @@ class HybridDrafter(Drafter):
     def needs_hidden_states(self) -> bool:
         return getattr(self.learned, "needs_hidden_states", False)
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...] | None:
+        return getattr(self.learned, "hidden_layers", None)
+
     def start(self, ctx: DraftContext) -> None:
         if self.learned is not None:
             self.learned.start(ctx)

@@ -33,7 +33,8 @@ class DraftContext:
         params: The sampling settings.
         generator: Random generator for stochastic drafters.
         prompt_lengths: Prompt length of every original row (its first tokens in `sequences`; empty: unknown).
-        hidden_states: The policy's hidden states from its last forward (engine-specific, for EAGLE drafters).
+        hidden_states: The policy's hidden states from its last forward, indexed by layer id (`Drafter.hidden_layers`;
+            for EAGLE drafters).
     """
 
     sequences: list[list[int]]
@@ -42,7 +43,7 @@ class DraftContext:
     params: SamplingParams
     generator: torch.Generator | None = None
     prompt_lengths: list[int] = field(default_factory=list)
-    hidden_states: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    hidden_states: tuple[torch.Tensor, ...] | dict[int, torch.Tensor] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -70,9 +71,12 @@ class Drafter:
 
     Attributes:
         needs_hidden_states: The drafter reads `DraftContext.hidden_states` (the engine then keeps them).
+        hidden_layers: The layer ids it reads there (Hugging Face's `hidden_states` indices: id i < L is the input of
+            decoder layer i, id L the final norm's output); the engine keeps only these. None: every layer.
     """
 
     needs_hidden_states: bool = False
+    hidden_layers: tuple[int, ...] | None = None
 
     def start(self, ctx: DraftContext) -> None:
         """A new batch begins (every row holds its prompt and its first sampled token)."""

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from .draft import DRAFT_SOURCES, DraftContext, Drafter
+from .features import FeatureRecorder
 from .kv_cache import RaggedKVModel
 from .rejection_sampler import verify_drafts
 from .sampling import SamplingParams, process_logits, upcast_logits
@@ -42,9 +43,13 @@ logger = logging.get_logger(__name__)
 
 @dataclass
 class GenerationOutput:
+    """`features`: with `generate(record_layers=...)`, per row the policy's hidden states at those layers for each
+    forwarded position, (len(prompt) + len(completion) - 1, len(record_layers), H) in host memory; else None."""
+
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     stats: GenerationStats
+    features: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -60,6 +65,7 @@ class _Run:
     vocab: int
     stats: GenerationStats
     started: dict[str, Drafter] = field(default_factory=dict)
+    recorder: FeatureRecorder | None = None
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices into the active rows), in the cache, the context and the started drafters."""
@@ -157,21 +163,26 @@ class SpeculativeEngine:
         generator: torch.Generator | None = None,
         group_ids: list[int] | None = None,
         padded_width: int | None = None,
+        record_layers: list[int] | None = None,
     ) -> GenerationOutput:
         """Complete every prompt. Returns completion ids, their processed logprobs and `GenerationStats`.
 
         `padded_width`: sample as `generate` does on these prompts left-padded to this width with `pad_token_id`
         (GRPOTrainer's batch): under the repetition penalty a shorter row has seen the pad token. None: unpadded.
+        `record_layers`: also return the policy's hidden states at these layers (`LayerTap` ids) for every position
+        its forwards computed (`GenerationOutput.features`, what drafter training reads). Nothing sampled changes.
         """
         self._check_prompts(prompts, params)
         start = time.perf_counter()
         device = self.model.device
         batch = len(prompts)
-        needs_hidden = any(getattr(d, "needs_hidden_states", False) for d in self.drafters.values())
-        policy = RaggedKVModel(self.model, output_hidden_states=needs_hidden)
+        policy = self._policy_runner(record_layers)
+        recorder = FeatureRecorder(record_layers, batch) if record_layers else None
 
         # Prefill and the first token (a verification with no drafts).
         last_logits = policy.prefill(prompts, self.pad_token_id)[:, None]  # (B, 1, V)
+        if recorder is not None:
+            recorder.record(policy.hidden_states, torch.arange(batch, device=device), policy.attention_mask)
         run = _Run(
             policy=policy,
             ctx=DraftContext(
@@ -190,6 +201,7 @@ class SpeculativeEngine:
             eos=torch.tensor(params.eos_token_ids or [-1], device=device),
             vocab=last_logits.size(-1),
             stats=GenerationStats(num_prompts=batch),
+            recorder=recorder,
         )
         no_drafts = (
             torch.zeros((batch, 0), dtype=torch.long, device=device),
@@ -213,8 +225,23 @@ class SpeculativeEngine:
             if run.ctx.row_ids.numel() == 0:
                 break
             keep = self._decode_step(run)
+        features = None
+        if recorder is not None:  # a row's last token was never forwarded
+            features = recorder.rows([len(p) + len(c) - 1 for p, c in zip(prompts, run.completions, strict=True)])
         run.stats.total_s = time.perf_counter() - start
-        return GenerationOutput(completion_ids=run.completions, logprobs=run.logprobs, stats=run.stats)
+        return GenerationOutput(run.completions, run.logprobs, run.stats, features)
+
+    def _policy_runner(self, record_layers: list[int] | None) -> RaggedKVModel:
+        """The policy's ragged runner, keeping the hidden states of the layers the drafters read (`Drafter.
+        hidden_layers`) and those recorded: only these (`LayerTap`), or every layer for a drafter that asks for
+        them all."""
+        layers, every = set(record_layers or ()), False
+        for drafter in self.drafters.values():
+            if getattr(drafter, "needs_hidden_states", False):
+                wanted = getattr(drafter, "hidden_layers", None)
+                every |= wanted is None
+                layers |= set(wanted or ())
+        return RaggedKVModel(self.model, output_hidden_states=every, hidden_layers=None if every else sorted(layers))
 
     def _start_drafter(self, run: _Run, name: str) -> None:
         if name not in self.drafters:
@@ -255,6 +282,9 @@ class SpeculativeEngine:
                 run.policy, last, draft_ids, num_drafts, draft_probs, source, run.seen, params, generator
             )
         run.ctx.hidden_states = run.policy.hidden_states
+        if run.recorder is not None:  # the positions the cache keeps: the last token and the accepted drafts
+            kept = torch.arange(draft_ids.size(1) + 1, device=device)[None] <= num_accepted[:, None]
+            run.recorder.record(run.ctx.hidden_states, run.ctx.row_ids, kept)
         keep, emitted = self._emit(run, draft_ids, num_accepted, next_tokens, emitted_lp)
         for drafter in run.started.values():
             drafter.accept(run.ctx, num_accepted)
@@ -342,9 +372,10 @@ class SpeculativeEngine:
         keep = torch.zeros_like(valid).scatter_(1, order, True)
         policy.keep_last(keep)
         if policy.hidden_states is not None:  # the accepted path first, as after a chain step
-            policy.hidden_states = tuple(
-                h.gather(1, order[..., None].expand(batch, -1, h.size(-1))) for h in policy.hidden_states
-            )
+            states = policy.hidden_states
+            layers = states.keys() if isinstance(states, dict) else range(len(states))
+            gathered = {i: states[i].gather(1, order[..., None].expand(batch, -1, states[i].size(-1))) for i in layers}
+            policy.hidden_states = gathered if isinstance(states, dict) else tuple(gathered.values())
         return tokens.gather(1, order)[:, 1:], num_accepted, next_tokens, emitted_lp
 
     @staticmethod

@@ -9,6 +9,10 @@ compacted with one gather, and finished rows are dropped with `select` so the ta
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -68,12 +72,82 @@ def new_cache(config) -> DynamicCache:
     return cache
 
 
+class LayerTap:
+    """Keeps the hidden states of a few of the policy's layers through a forward, where `output_hidden_states` keeps
+    every layer's (on a 30-layer policy, 31 copies of the batch's hidden states where an EAGLE-3 head reads 4).
+
+    Layer ids are Hugging Face's `hidden_states` indices (and vLLM's): id i < L is the input of decoder layer i, id L
+    (`num_hidden_layers`) the final norm's output, the states the LM head reads. Forward hooks on the decoder's
+    `layers` and `norm` capture them; a model without both (`supported` False) is read through `output_hidden_states`
+    instead (every layer computed, only `layers` kept).
+    """
+
+    def __init__(self, model: PreTrainedModel, layers: Sequence[int]):
+        self.layers = tuple(sorted(set(layers)))
+        num_layers = model.config.get_text_config().num_hidden_layers
+        if any(not 0 <= i <= num_layers for i in self.layers):
+            raise ValueError(f"Layer ids must be in [0, {num_layers}] (num_hidden_layers), got {list(self.layers)}.")
+        decoder = model.get_decoder()
+        self._blocks = getattr(decoder, "layers", None)
+        self._norm = getattr(decoder, "norm", None)
+        self.num_layers = num_layers
+        self.supported = (
+            isinstance(self._blocks, torch.nn.ModuleList)
+            and len(self._blocks) == num_layers
+            and isinstance(self._norm, torch.nn.Module)
+            and self._matches(model)
+        )
+
+    _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> whether its hooks give its states
+
+    @torch.no_grad()
+    def _matches(self, model: PreTrainedModel) -> bool:
+        """Whether the hooks see what `output_hidden_states` reports, on one short forward (once per model): a model
+        whose decoder adds to the stream outside its layers, or a kernel that writes the stream in place, fails it
+        and is read through `output_hidden_states`."""
+        if model not in self._checked:
+            every = tuple(range(self.num_layers + 1))
+            ids = torch.arange(6, device=model.device)[None] % model.config.get_text_config().vocab_size
+            reference = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
+            with LayerTap.capture(self, every) as states:
+                model(input_ids=ids, logits_to_keep=1)
+            self._checked[model] = len(reference) == len(every) and all(
+                i in states and torch.allclose(states[i], reference[i], rtol=1e-4, atol=1e-5) for i in every
+            )
+        return self._checked[model]
+
+    @contextlib.contextmanager
+    def capture(self, layers: Sequence[int] | None = None):
+        """Within it, the model's forwards fill the yielded dict {layer id: (B, n, H)} of `layers` (default: the tap's),
+        hooks removed on exit."""
+        states: dict[int, torch.Tensor] = {}
+        handles = []
+
+        def keep_input(i):
+            def hook(module, args, kwargs):
+                states[i] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        try:
+            for i in self.layers if layers is None else layers:
+                if i < self.num_layers:
+                    handles.append(self._blocks[i].register_forward_pre_hook(keep_input(i), with_kwargs=True))
+                else:
+                    handles.append(self._norm.register_forward_hook(lambda m, a, out, i=i: states.__setitem__(i, out)))
+            yield states
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
 class RaggedKVModel:
     """Runs `model` over ragged batches, keeping a `DynamicCache` with per-row holes.
 
     Args:
         model: Any Hugging Face causal LM with full attention (sliding-window caches are rejected).
-        output_hidden_states: Return the hidden states of every layer from `extend` (for EAGLE drafters).
+        output_hidden_states: Keep the hidden states of every layer from each forward (`hidden_states`, a tuple).
+        hidden_layers: Keep only these layers' (`LayerTap` ids): `hidden_states` is then {layer id: (B, n, H)}.
 
     Example:
         >>> runner = RaggedKVModel(model)
@@ -82,14 +156,17 @@ class RaggedKVModel:
         >>> runner.truncate(runner.lengths - 1)                          # drop the last valid token of each row
     """
 
-    def __init__(self, model: PreTrainedModel, output_hidden_states: bool = False):
+    def __init__(
+        self, model: PreTrainedModel, output_hidden_states: bool = False, hidden_layers: Sequence[int] | None = None
+    ):
         self.model = model
-        self.output_hidden_states = output_hidden_states
+        self.tap = LayerTap(model, hidden_layers) if hidden_layers else None
+        self.output_hidden_states = output_hidden_states or (self.tap is not None and not self.tap.supported)
         self.device = model.device
         self.cache: DynamicCache | None = None
         self.attention_mask: torch.Tensor | None = None  # (B, T) bool, True = valid position
         self.lengths: torch.Tensor | None = None  # (B,) valid tokens per row
-        self.hidden_states: tuple[torch.Tensor, ...] | None = None
+        self.hidden_states: tuple[torch.Tensor, ...] | dict[int, torch.Tensor] | None = None
 
     def _forward(
         self,
@@ -99,18 +176,25 @@ class RaggedKVModel:
         attention_mask: torch.Tensor | None = None,
         **model_kwargs,
     ):
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=self.attention_mask.long() if attention_mask is None else attention_mask,
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=self.output_hidden_states,
-            **model_kwargs,
-        )
+        tapped = self.tap is not None and self.tap.supported
+        with self.tap.capture() if tapped else contextlib.nullcontext() as states:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=self.attention_mask.long() if attention_mask is None else attention_mask,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                output_hidden_states=self.output_hidden_states,
+                **model_kwargs,
+            )
         self.cache = out.past_key_values
-        self.hidden_states = out.hidden_states if self.output_hidden_states else None
+        if tapped:
+            self.hidden_states = states
+        elif self.tap is not None:
+            self.hidden_states = {i: out.hidden_states[i] for i in self.tap.layers}
+        else:
+            self.hidden_states = out.hidden_states if self.output_hidden_states else None
         for layer in self.cache.layers:
             if type(layer) not in (DynamicLayer, GrowingLayer):
                 raise NotImplementedError(

@@ -239,7 +239,7 @@ def build_spot_trainer(args: TLTConfig, drafter, accelerator, use_vllm: bool) ->
     reduced_vocab = new_head and drafter.config.draft_vocab_size < drafter.config.vocab_size
     return SpotTrainer(
         drafter,
-        DataBuffer(args.spot_buffer_steps, args.spot_buffer_max_tokens),
+        DataBuffer(args.spot_buffer_steps, args.spot_buffer_max_tokens, args.spot_buffer_max_memory_mb << 20),
         schedule=SpotSchedule(learning_rate=args.spot_learning_rate, cold_steps=cold_steps),
         tokens_per_step=args.spot_tokens_per_step,
         config=DistillConfig(ttt_length=args.drafter_ttt_length),

@@ -45,12 +45,14 @@ def drafter_model(drafter: Drafter | None) -> Eagle3Model | PreTrainedModel | No
 
 class RolloutTurn(NamedTuple):
     """One generation turn: the prompts (tool results included after a rollout's first turn) and what the policy
-    sampled after them, in `seconds`; `spec_stats`: vLLM's acceptance over the turn (None on trl-tlt's engine)."""
+    sampled after them, in `seconds`; `spec_stats`: vLLM's acceptance over the turn (None on trl-tlt's engine);
+    `features`: the policy's hidden states the engine recorded for drafter training, per row (None: none)."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     seconds: float
     spec_stats: dict[str, float] | None = None
+    features: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -142,11 +144,15 @@ class RolloutStack:
         self, policy: PreTrainedModel, prompt_ids: list[list[int]], params: SamplingParams, pad_token_id: int,
         padded_width: int,
     ) -> GenerationOutput:  # fmt: skip
-        """One generation turn through trl-tlt's engine, recorded for the end of the rollout."""
+        """One generation turn through trl-tlt's engine, recorded for the end of the rollout (with the hidden states
+        spot training reads, which the engine keeps as it goes: drafter training never runs the policy again)."""
         drafter, speculation = self.rollout_drafter()
         engine = SpeculativeEngine(policy, drafter=drafter, speculation=speculation, pad_token_id=pad_token_id)
-        out = engine.generate(prompt_ids, params, generator=self.generator, padded_width=padded_width)
-        self.record(RolloutTurn(prompt_ids, out.completion_ids, out.stats.total_s))
+        layers = self.spot.feature_layers(policy) if self.spot is not None and self.turns is not None else None
+        out = engine.generate(
+            prompt_ids, params, generator=self.generator, padded_width=padded_width, record_layers=layers
+        )
+        self.record(RolloutTurn(prompt_ids, out.completion_ids, out.stats.total_s, features=out.features))
         self.last_stats = out.stats
         return out
 
@@ -154,9 +160,12 @@ class RolloutStack:
         if self.turns is not None:
             self.turns.append(turn)
 
-    def end_rollout(self, policy: PreTrainedModel | None, turns: list[RolloutTurn]) -> SpotStats | None:
+    def end_rollout(
+        self, policy: PreTrainedModel | None, turns: list[RolloutTurn], version: int | None = None
+    ) -> SpotStats | None:
         """Once per rollout, training only, on every rank: the turns into the prompt history, then spot training on
-        them (`policy`: the policy unwrapped for generation; None: no drafter training this rollout)."""
+        them (`policy`: the policy unwrapped for generation, after `version` optimizer steps; None: no drafter
+        training this rollout)."""
         prompts = [p for turn in turns for p in turn.prompt_ids]
         completions = [list(c) for turn in turns for c in turn.completion_ids]
         if self.history is not None:
@@ -164,7 +173,8 @@ class RolloutStack:
         if self.spot is None or policy is None:
             return None
         if prompts:  # a rollout with no turn of ours (a rollout_func's own generation) still joins the others
-            self.spot.observe_rollout(prompts, completions)
+            features = [f for turn in turns for f in (turn.features or [None] * len(turn.prompt_ids))]
+            self.spot.observe_rollout(prompts, completions, features, version)
         if self.spot.group is None:  # one process: within the time budget, which the rollout's seconds set
             self.last_spot = self.spot.run_between_rollouts(policy, sum(turn.seconds for turn in turns))
         else:  # several: while the other ranks still generate, then the merge

@@ -197,7 +197,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             stack.end_rollout(None, turns)  # the prompt history only
         else:
             with profiling_context(self, "tlt.spot_training"), self._unwrapped_for_generation() as unwrapped_model:
-                spot = stack.end_rollout(unwrapped_model, turns)
+                spot = stack.end_rollout(unwrapped_model, turns, self.state.global_step)
             self._log(spot_metrics(spot, stack.spot))  # in training mode again: the context put the policy in eval
             if self.use_vllm:
                 with profiling_context(self, "tlt.sync_drafter"):

@@ -23,10 +23,18 @@ from ..drafters.eagle3 import Eagle3Model, shift_left
 
 @dataclass
 class DrafterSample:
-    """One rollout: `token_ids` = prompt + completion; only the completion's tokens are trained on."""
+    """One rollout: `token_ids` = prompt + completion; only the completion's tokens are trained on.
+
+    `features`: the policy's hidden states the rollout's forwards computed at every position but the last,
+    (len(token_ids) - 1, m, H): the drafter's m - 1 auxiliary layers, then the last layer (`FeatureRecorder`). None:
+    drafter training runs the policy over the sample (`policy_features`). `version`: the policy's optimizer steps
+    when they were computed (None: no features recorded).
+    """
 
     token_ids: list[int]
     prompt_length: int
+    features: torch.Tensor | None = field(default=None, repr=False)
+    version: int | None = None
 
 
 @dataclass
@@ -90,6 +98,15 @@ def policy_features(
                 Features(s, None if aux is None else aux[i, :n].clone(), result.last_hidden_state[i, :n].clone())
             )
     return out
+
+
+def recorded_features(sample: DrafterSample, with_aux: bool, device) -> Features:
+    """`Features` from what the rollout recorded (`sample.features`), on `device`. The last position's state, never
+    computed (its token was the last sampled), is zeros: no loss reads it (`pack`'s and `lm_distill_loss`'s masks end
+    at the token before)."""
+    states = sample.features.to(device)
+    last = torch.cat([states[:, -1], states.new_zeros((1, states.size(-1)))])
+    return Features(sample, states[:, :-1].flatten(1) if with_aux else None, last)
 
 
 @dataclass
@@ -179,9 +196,14 @@ def top1_agreement(student_in, student_weight, teacher_in, teacher_weight, chunk
 
 
 def eagle3_loss(
-    head: Eagle3Model, policy_head_weight: torch.Tensor, batch: PackedBatch, config: DistillConfig
+    head: Eagle3Model,
+    policy_head_weight: torch.Tensor,
+    batch: PackedBatch,
+    config: DistillConfig,
+    agreement: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """TTT distillation loss of one packed batch; returns the loss and per-step metrics."""
+    """TTT distillation loss of one packed batch; returns the loss and per-step metrics (`kl_j`, and with `agreement`
+    the top-1 agreement `acc_j`, two more vocabulary projections per step)."""
     teacher_weight = policy_head_weight.detach()[head.draft_ids]
     fused = head.fc(batch.aux.to(head.fc.weight.dtype))
     outputs = head.ttt_forward(batch.input_ids, fused, batch.position_ids, batch.seq_ids, config.ttt_length)
@@ -197,7 +219,8 @@ def eagle3_loss(
         kl = distill_kl(student, head.lm_head.weight, teacher, teacher_weight, config.chunk_size)
         total = total + config.weights[j] * kl
         metrics[f"kl_{j}"] = float(kl.detach())
-        metrics[f"acc_{j}"] = top1_agreement(student.detach(), head.lm_head.weight, teacher, teacher_weight)
+        if agreement:
+            metrics[f"acc_{j}"] = top1_agreement(student.detach(), head.lm_head.weight, teacher, teacher_weight)
         if config.hidden_loss_weight:
             total = total + config.hidden_loss_weight * F.smooth_l1_loss(student, teacher.to(student.dtype))
     return total, metrics

@@ -23,6 +23,10 @@ class Eagle3Drafter(Drafter):
 
     needs_hidden_states = True
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(self.model.aux_layer_ids)
+
     def __init__(self, model: Eagle3Model):
         self.model = model.eval()
         self.runner = RaggedKVModel(model, output_hidden_states=True)

