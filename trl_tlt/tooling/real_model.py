@@ -38,6 +38,9 @@ def real_model_path() -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
+    # The GGUF names <|im_start|> as EOS; the instruct model ends its turns with <|im_end|>, as the original's
+    # tokenizer says (also its padding token).
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
     loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the weights are de-quantized: a plain float32 model
@@ -45,6 +48,8 @@ def real_model_path() -> str:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
+    for settings in (model.config, model.generation_config):
+        settings.eos_token_id = settings.pad_token_id = tokenizer.eos_token_id
     tmp = folder.with_name(folder.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -53,21 +58,24 @@ def real_model_path() -> str:
 
 
 def real_model_prompts(num: int, seed: int = 0) -> list[dict]:
-    """`num` rows {"prompt": chat messages, "answer": int}: 'Start at a and add b, n times' (n from 1 to 12), solved
-    step by step."""
+    """`num` rows {"prompt": chat messages, "answer": int, "first": int}: 'Start at a and add b, n times' (n from 1 to
+    12), solved step by step; `first` is the first step's sum."""
     rng = random.Random(seed)
     rows = []
     for _ in range(num):
         start, addend, times = rng.randint(1, 99), rng.randint(1, 99), rng.choice([1, 2, 2, 3, 3, 4, 5, 6, 8, 12])
         question = f"Start at {start} and add {addend}, {times} times. Write each addition on its own line."
-        rows.append({"prompt": [{"role": "user", "content": question}], "answer": start + addend * times})
+        rows.append({"prompt": [{"role": "user", "content": question}], "answer": start + addend * times,
+                     "first": start + addend})  # fmt: skip
     return rows
 
 
-def answer_reward(completions, answer, **kwargs) -> list[float]:
-    """1 if the answer is among the completion's numbers (a 135M model rarely states it last)."""
+def answer_reward(completions, answer, first, **kwargs) -> list[float]:
+    """1 if the answer is among the completion's numbers (a 135M model rarely states it last), else 0.5 if the first
+    step's sum is, else 0.2 for an attempt (an '=' sign)."""
     rewards = []
-    for completion, target in zip(completions, answer, strict=True):
+    for completion, target, step in zip(completions, answer, first, strict=True):
         text = completion[-1]["content"] if isinstance(completion, list) else completion
-        rewards.append(float(str(int(target)) in re.findall(r"-?\d+", text)))
+        numbers = re.findall(r"-?\d+", text)
+        rewards.append(1.0 if str(target) in numbers else 0.5 if str(step) in numbers else 0.2 * ("=" in text))
     return rewards
