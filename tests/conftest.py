@@ -77,7 +77,8 @@ def rule_policy(tokenizer, tmp_path_factory):
 
     from trl_tlt.drafters.eagle3 import Eagle3Model, eagle3_config
     from trl_tlt.engine.sampling import SamplingParams
-    from trl_tlt.training.distillation import DistillConfig, generate_samples, train_drafter
+    from trl_tlt.training.distillation import DistillConfig
+    from trl_tlt.training.warm_start import generate_samples, train_drafter
 
     policy, g = train_rule_policy(tokenizer)
     head = Eagle3Model(

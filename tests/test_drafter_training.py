@@ -9,16 +9,8 @@ from trl_tlt.drafters import ModelDrafter
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
 from trl_tlt.engine.sampling import SamplingParams
 from trl_tlt.tooling.tiny import build_tiny_model
-from trl_tlt.training.distillation import (
-    DistillConfig,
-    DrafterSample,
-    distill_kl,
-    evaluate_acceptance,
-    generate_samples,
-    pack,
-    policy_features,
-    train_drafter,
-)
+from trl_tlt.training.distillation import DistillConfig, DrafterSample, distill_kl, pack, policy_features
+from trl_tlt.training.warm_start import evaluate_acceptance, generate_samples, train_drafter
 
 
 def test_chunked_kl_equals_full_kl():

@@ -280,6 +280,7 @@ INVALID_CONFIGS = [
     ({"vllm_draft_sample_method": "argmax"}, "vllm_draft_sample_method"),
     ({"spot_buffer_steps": 0}, "spot_buffer_steps"),
     ({"spot_buffer_max_tokens": 0}, "spot_buffer_max_tokens"),
+    ({"spot_buffer_max_memory_mb": 0}, "spot_buffer_max_memory_mb"),
     ({"spot_tokens_per_step": 0}, "spot_tokens_per_step"),
     ({"spot_cold_start_steps": -1}, "spot_cold_start_steps"),
     ({"spot_steps_per_rollout": -1}, "spot_steps_per_rollout"),

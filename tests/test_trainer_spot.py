@@ -37,6 +37,10 @@ def test_single_process_trains_the_drafter_between_rollouts(tiny_model_dirs, tmp
     assert any(not torch.equal(a, b) for a, b in zip(start, trainer.tlt_spot.params, strict=True))
     # the engine drafts with the trained parameters (same objects)
     assert trainer.tlt_drafter.model is trainer.tlt_spot.drafter
+    # every drafter step read the features the rollouts recorded: none ran the policy
+    assert all(h["tlt/drafter_rerun_samples"] == 0 for h in logs) and trainer.tlt_spot.rerun_samples == 0
+    buffered = trainer.tlt_spot.buffer.samples
+    assert buffered and all(s.features is not None and s.version == 2 for s in buffered)  # the latest rollout's
 
 
 def test_killed_run_resumes_with_policy_and_drafter_intact(tiny_model_dirs, tmp_path):

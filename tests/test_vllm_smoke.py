@@ -39,7 +39,8 @@ def test_exported_eagle3_drafter_runs_in_vllm(tokenizer, tmp_path):
     from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
     from trl_tlt.engine.generate import SpeculativeEngine
     from trl_tlt.engine.sampling import SamplingParams
-    from trl_tlt.training.distillation import DistillConfig, generate_samples, train_drafter
+    from trl_tlt.training.distillation import DistillConfig
+    from trl_tlt.training.warm_start import generate_samples, train_drafter
 
     policy, g = train_rule_policy(tokenizer)
     policy_dir, drafter_dir = tmp_path / "policy", tmp_path / "drafter"

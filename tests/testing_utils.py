@@ -17,7 +17,8 @@ from trl_tlt.drafters import Draft, ModelDrafter, NgramDrafter
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model, eagle3_config
 from trl_tlt.engine.sampling import process_logits
 from trl_tlt.tooling.tiny import build_tiny_model
-from trl_tlt.training.distillation import DistillConfig, generate_samples, train_drafter
+from trl_tlt.training.distillation import DistillConfig
+from trl_tlt.training.warm_start import generate_samples, train_drafter
 
 
 EOS = 2

@@ -236,7 +236,12 @@ class TLTConfig(GRPOConfig):
             )
         if self.history_max_tokens < 0:
             raise ValueError(f"`history_max_tokens` must be >= 0 (0 = no history), got {self.history_max_tokens}.")
-        for name in ("spot_buffer_steps", "spot_buffer_max_tokens", "spot_buffer_max_memory_mb", "spot_tokens_per_step"):
+        for name in (
+            "spot_buffer_steps",
+            "spot_buffer_max_tokens",
+            "spot_buffer_max_memory_mb",
+            "spot_tokens_per_step",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if self.spot_cold_start_steps is not None and self.spot_cold_start_steps < 0:

@@ -49,7 +49,7 @@ from trl_tlt.tooling.workload import (  # noqa: E402
     make_dataset,
     prompt_token_ids,
 )
-from trl_tlt.training.distillation import evaluate_acceptance  # noqa: E402
+from trl_tlt.training.warm_start import evaluate_acceptance  # noqa: E402
 
 
 def timed(trainer_cls):

@@ -51,7 +51,7 @@ from trl_tlt.tooling.workload import (  # noqa: E402
     prompt_token_ids,
     sft_dataset,
 )
-from trl_tlt.training.distillation import evaluate_acceptance  # noqa: E402
+from trl_tlt.training.warm_start import evaluate_acceptance  # noqa: E402
 
 
 QWEN25_VOCAB_SIZE = 151_665

@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -54,7 +53,10 @@ def load(path: str):
 
 
 def encode(tokenizer, rows) -> list[list[int]]:
-    return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in rows]
+    return [
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for r in rows
+    ]
 
 
 def new_head(policy, completions) -> Eagle3Model:
@@ -69,12 +71,16 @@ def new_head(policy, completions) -> Eagle3Model:
 
 def spot_step_seconds(policy, prompts, steps: int) -> dict:
     """Median drafter step, rerunning the policy vs reading the rollout's features (same samples, same order)."""
-    params = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(policy.config.eos_token_id,))
+    params = SamplingParams(
+        max_new_tokens=COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(policy.config.eos_token_id,)
+    )
     probe = SpeculativeEngine(policy).generate(prompts, params, generator=torch.Generator().manual_seed(0))
     head = new_head(policy, probe.completion_ids)
     spot = SpotTrainer(head, DataBuffer(window=1), tokens_per_step=256, seed=0)
     layers = spot.feature_layers(policy)
-    out = SpeculativeEngine(policy).generate(prompts, params, generator=torch.Generator().manual_seed(0), record_layers=layers)
+    out = SpeculativeEngine(policy).generate(
+        prompts, params, generator=torch.Generator().manual_seed(0), record_layers=layers
+    )
     result = {}
     for name, features in (("before", None), ("after", out.features)):
         trainer = SpotTrainer(copy.deepcopy(head), DataBuffer(window=1), tokens_per_step=256, seed=0)
@@ -86,7 +92,9 @@ def spot_step_seconds(policy, prompts, steps: int) -> dict:
             times.append(time.perf_counter() - start)
         result[name] = {"median": statistics.median(times[1:]), "seconds": times, "losses": losses}
     result["tokens"] = sum(len(p) + len(c) for p, c in zip(prompts, out.completion_ids, strict=True))
-    result["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(result["before"]["losses"], result["after"]["losses"], strict=True))
+    result["loss_max_abs_diff"] = max(
+        abs(a - b) for a, b in zip(result["before"]["losses"], result["after"]["losses"], strict=True)
+    )
     return result
 
 
@@ -150,7 +158,9 @@ def part_verify(args) -> dict:
     prompts = encode(tokenizer, real_model_prompts(ROWS, seed=1))
     head = Eagle3Model.from_pretrained(args.warm_head, policy) if args.warm_head else None
     if head is None:
-        params = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(policy.config.eos_token_id,))
+        params = SamplingParams(
+            max_new_tokens=COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(policy.config.eos_token_id,)
+        )
         head = new_head(policy, SpeculativeEngine(policy).generate(prompts, params).completion_ids)
     out = {"verify_head": args.warm_head or "new head, vocabulary fitted to one rollout"}
     for name, every in (("before", True), ("after", False)):
@@ -224,7 +234,10 @@ def run_trainer(kind: str, args, tlt_args: dict | None) -> dict:
         wall = time.perf_counter() - start
     logs = [h for h in trainer.state.log_history if "reward" in h]
     result = {"wall_seconds": wall, "step_seconds": times.times, "reward": [h["reward"] for h in logs]}
-    result["rollout_seconds"] = [h.get("profiling/Time taken: GRPOTrainer._generate") or h.get("profiling/Time taken: TLTGRPOTrainer._generate") for h in logs]
+    result["rollout_seconds"] = [
+        h.get("profiling/Time taken: GRPOTrainer._generate") or h.get("profiling/Time taken: TLTGRPOTrainer._generate")
+        for h in logs
+    ]
     for key in ("tlt/mean_acceptance_length", "tlt/spot_seconds", "tlt/drafter_steps", "tlt/spot_budget_share",
                 "tlt/drafter_eval_acceptance_length", "tlt/rollout_seconds", "tlt/draft_vocab_coverage"):  # fmt: skip
         if any(key in h for h in logs):
@@ -251,7 +264,9 @@ def main():
     parser.add_argument("--spot-steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warm-head", default=None, help="A warm-started EAGLE-3 head (trl-tlt train-drafter's output).")
+    parser.add_argument(
+        "--warm-head", default=None, help="A warm-started EAGLE-3 head (trl-tlt train-drafter's output)."
+    )
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     result = json.load(open(args.output)) if args.output and os.path.isfile(args.output) else {}

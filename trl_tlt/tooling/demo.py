@@ -179,7 +179,7 @@ def run_tlt(args, policy_path, drafter_path, output_dir, common, data, history) 
     from trl_tlt.drafters.eagle3 import Eagle3Drafter
     from trl_tlt.engine.sampling import SamplingParams
     from trl_tlt.tooling.workload import make_dataset, prompt_token_ids
-    from trl_tlt.training.distillation import evaluate_acceptance
+    from trl_tlt.training.warm_start import evaluate_acceptance
 
     reward_funcs, tokenizer, train_set = data
     eval_prompts = prompt_token_ids(tokenizer, make_dataset(args.eval_prompts, seed=EVAL_SEED)["prompt"])

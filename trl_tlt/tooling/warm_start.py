@@ -26,7 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_tlt.engine.sampling import SamplingParams
-from trl_tlt.training.distillation import DistillConfig, warm_start_drafter
+from trl_tlt.training.distillation import DistillConfig
+from trl_tlt.training.warm_start import warm_start_drafter
 
 
 def load_prompts(args, tokenizer):
@@ -61,7 +62,30 @@ def load_prompts(args, tokenizer):
     return prompts, completions
 
 
-def main(argv: list[str] | None = None) -> dict:
+def plot_curve(report: dict, path: str) -> None:
+    """The acceptance length against trained tokens and seconds (`report["curve"]`), where matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    curve = report.get("curve")
+    if not curve:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    for ax, key, label in ((axes[0], "tokens", "tokens trained on"), (axes[1], "seconds", "training seconds")):
+        ax.plot([p[key] for p in curve], [p["acceptance"] for p in curve], marker="o")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"acceptance length (k={report['k']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-tlt train-drafter", description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", required=True, help="Path of the policy (a Hugging Face causal LM).")
     parser.add_argument("--output", required=True, help="Directory the drafter and train_report.json go to.")
@@ -84,7 +108,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the acceptance evaluation.")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-seconds", type=float, default=None, help="Stop training after this many seconds.")
+    parser.add_argument("--max-tokens", type=int, default=None, help="Stop training after this many tokens.")
+    parser.add_argument(
+        "--eval-every-seconds", type=float, default=60.0,
+        help="Measure the acceptance length on the held-out prompts every this many seconds of training.",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.drafter_type == "model" and not args.drafter_model:
         parser.error("--drafter-type model needs --drafter-model (a small LM with the policy's tokenizer).")
@@ -127,14 +162,18 @@ def main(argv: list[str] | None = None) -> dict:
         aux_hidden_state_layer_ids=args.aux_layer_ids,
         k=args.num_speculative_tokens,
         seed=args.seed,
+        max_seconds=args.max_seconds,
+        max_tokens=args.max_tokens,
+        eval_every_seconds=args.eval_every_seconds,
     )
+    plot_curve(report, os.path.join(args.output, "acceptance.png"))
     before, after = report.get("before", {}), report.get("after", {})
     if after:
         print(
             f"acceptance length at k={args.num_speculative_tokens}: {before['mean_acceptance_length']:.2f} -> "
             f"{after['mean_acceptance_length']:.2f}; drafter written to {args.output}"
         )
-    print(json.dumps(report, indent=2))
+    print(json.dumps({key: value for key, value in report.items() if key != "curve"}, indent=2))
     return report
 
 

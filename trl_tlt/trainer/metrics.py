@@ -51,6 +51,7 @@ def spot_metrics(stats: SpotStats, spot: SpotTrainer) -> dict[str, float]:
         "tlt/idle_seconds_used": 0.0 if one_process else summary["seconds_used"],
         "tlt/spot_seconds": stats.seconds_used if one_process else 0.0,
         "tlt/drafter_resets": summary["resets"],
+        "tlt/drafter_rerun_samples": float(spot.rerun_samples),
     }
     if summary["loss"] is not None:
         metrics["tlt/drafter_loss"] = summary["loss"]

@@ -152,7 +152,10 @@ class RolloutStack:
         out = engine.generate(
             prompt_ids, params, generator=self.generator, padded_width=padded_width, record_layers=layers
         )
-        self.record(RolloutTurn(prompt_ids, out.completion_ids, out.stats.total_s, features=out.features))
+        # Copies: GRPOTrainer's tool loop extends the returned completions in place with the tool's tokens, which the
+        # policy did not sample (they reach the drafter as the next turn's prompt).
+        completions = [list(c) for c in out.completion_ids]
+        self.record(RolloutTurn(prompt_ids, completions, out.stats.total_s, features=out.features))
         self.last_stats = out.stats
         return out
 

@@ -272,7 +272,7 @@ def build_eagle3_drafter(
     cache_dir: str | Path | None = None,
     verbose: bool = True,
 ) -> Path:
-    """The embedded policy's warm-start EAGLE-3 drafter (`drafter_training.warm_start_drafter`), cached.
+    """The embedded policy's warm-start EAGLE-3 drafter (`trl_tlt.training.warm_start.warm_start_drafter`), cached.
 
     Its `train_report.json` holds the acceptance length at k = 4 before and after training.
     """
@@ -292,7 +292,8 @@ def _warm_start_eagle3(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_tlt.engine.sampling import SamplingParams
-    from trl_tlt.training.distillation import DistillConfig, warm_start_drafter
+    from trl_tlt.training.distillation import DistillConfig
+    from trl_tlt.training.warm_start import warm_start_drafter
 
     path = policy_path.parent / name
     if (path / "config.json").exists():

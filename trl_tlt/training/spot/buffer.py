@@ -63,7 +63,14 @@ class DataBuffer:
         for prompt, completion, states in zip(prompts, completions, features, strict=True):
             if not completion:
                 continue
-            sample = DrafterSample(list(prompt) + list(completion), len(prompt), states, None if states is None else version)
+            if states is not None and len(states) != len(prompt) + len(completion) - 1:
+                raise ValueError(
+                    f"Features of {len(states)} positions for a sequence of {len(prompt) + len(completion)} tokens: "
+                    "they must cover every position but the last (the completion changed after its rollout?)."
+                )
+            sample = DrafterSample(
+                list(prompt) + list(completion), len(prompt), states, None if states is None else version
+            )
             self.num_added += 1
             (held_out if self.num_added % HELD_OUT_EVERY == 0 else train).append(sample)
         if version is not None:  # features of an older policy: dropped
@@ -73,7 +80,9 @@ class DataBuffer:
         self.held_out = held_out
         while len(self.rollouts) > self.window:
             self.rollouts.popleft()
-        while (self.num_tokens > self.max_tokens or self.feature_bytes > self.max_feature_bytes) and any(self.rollouts):
+        while (self.num_tokens > self.max_tokens or self.feature_bytes > self.max_feature_bytes) and any(
+            self.rollouts
+        ):
             oldest = next(r for r in self.rollouts if r)
             oldest.pop(0)
 

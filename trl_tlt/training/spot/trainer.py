@@ -154,7 +154,9 @@ class SpotTrainer:
         return isinstance(self.drafter, Eagle3Model)
 
     # ------------------------------------------------------------------------------------------ one step
-    def _loss(self, policy: PreTrainedModel, features, agreement: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(
+        self, policy: PreTrainedModel, features, agreement: bool = False
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         head_weight = policy.get_output_embeddings().weight
         if self.is_eagle:  # one packed row: the sample is already at most tokens_per_step long
             return eagle3_loss(self.drafter, head_weight, pack(features, 1 << 62)[0], self.config, agreement)
@@ -175,7 +177,9 @@ class SpotTrainer:
             self.rerun_samples += len(missing)
             aux_ids = self.drafter.aux_layer_ids if self.is_eagle else []
             computed = iter(policy_features(policy, missing, aux_ids, batch_size=len(missing)))
-        return [recorded_features(s, self.is_eagle, device) if s.features is not None else next(computed) for s in samples]
+        return [
+            recorded_features(s, self.is_eagle, device) if s.features is not None else next(computed) for s in samples
+        ]
 
     def step(self, policy: PreTrainedModel, preempt=None) -> float | None:
         """One drafter optimizer step on a sample of the buffer; returns its loss, or None if there was nothing to
