@@ -230,31 +230,104 @@ def run_trainer(kind: str, args, tlt_args: dict | None) -> dict:
                       processing_class=tokenizer)  # fmt: skip
         times = StepTimes()
         trainer.add_callback(times)
+        rollouts = []
+        generate = trainer._generate  # one rollout (spot training included: TLT trains the drafter at its end)
+
+        def timed_generate(*a, **k):
+            begin = time.perf_counter()
+            out = generate(*a, **k)
+            rollouts.append(time.perf_counter() - begin)
+            return out
+
+        trainer._generate = timed_generate
         trainer.train()
         wall = time.perf_counter() - start
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    result = {"wall_seconds": wall, "step_seconds": times.times, "reward": [h["reward"] for h in logs]}
-    result["rollout_seconds"] = [
-        h.get("profiling/Time taken: GRPOTrainer._generate") or h.get("profiling/Time taken: TLTGRPOTrainer._generate")
-        for h in logs
-    ]
+    result = {"wall_seconds": wall, "step_seconds": times.times, "rollout_seconds": rollouts}
+    result["reward"] = [h["reward"] for h in logs]
     for key in ("tlt/mean_acceptance_length", "tlt/spot_seconds", "tlt/drafter_steps", "tlt/spot_budget_share",
                 "tlt/drafter_eval_acceptance_length", "tlt/rollout_seconds", "tlt/draft_vocab_coverage"):  # fmt: skip
         if any(key in h for h in logs):
             result[key.removeprefix("tlt/")] = [h.get(key) for h in logs]
+    if kind != "grpo":  # the head at the end, on held-out prompts, the engine speculating k = 6 at every step
+        from trl_tlt.training.warm_start import evaluate_acceptance
+
+        held_out = encode(tokenizer, real_model_prompts(16, seed=99))
+        params = SamplingParams(
+            max_new_tokens=COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(tokenizer.eos_token_id,)
+        )
+        policy.eval()
+        result["heldout_acceptance_k6"] = evaluate_acceptance(policy, trainer.tlt_drafter, held_out, params, k=6)
     print(kind, json.dumps({k: v for k, v in result.items() if k != "step_seconds"})[:2000], flush=True)
     return result
+
+
+def summarize_online(runs: dict, begin: int = 9) -> dict:
+    """Medians over steps 10-30 (`begin` 9: 0-based), GRPOTrainer's over TLT's; the warm head's over steps 3-30."""
+
+    def median(run, key, first):
+        return statistics.median(run[key][first:])
+
+    out = {}
+    grpo = runs["grpo"]
+    for name, key, first in (("real_model", "tlt", begin), ("real_model_warm", "tlt_warm", 2)):
+        if key not in runs:
+            continue
+        out[f"{name}_rollout_ratio"] = median(grpo, "rollout_seconds", first) / median(
+            runs[key], "rollout_seconds", first
+        )
+        out[f"{name}_step_ratio"] = median(grpo, "step_seconds", first) / median(runs[key], "step_seconds", first)
+        out[f"{name}_acceptance_end_k6"] = runs[key]["heldout_acceptance_k6"]["mean_acceptance_length"]
+        out[f"{name}_reward_mean"] = statistics.mean(runs[key]["reward"])
+    out["real_model_acceptance_end"] = out.get("real_model_acceptance_end_k6")
+    out["grpo_reward_mean"] = statistics.mean(grpo["reward"])
+    return out
 
 
 def part_online(args) -> dict:
     runs = {"grpo": run_trainer("grpo", args, None), "tlt": run_trainer("tlt", args, None)}
     if args.warm_head:
         runs["tlt_warm"] = run_trainer("tlt", args, {"drafter_model_name_or_path": args.warm_head})
-    out = {"online_steps": args.steps, "online_runs": runs}
-    return out
+    return {"online_steps": args.steps, "online_runs": runs, **summarize_online(runs)}
 
 
-PARTS = {"spot_step": part_spot_step, "verify": part_verify, "rss": part_rss, "online": part_online}
+def part_warm(args) -> dict:
+    """`trl-tlt train-drafter` on the real model within `--warm-seconds` of wall time in all (sampling, training,
+    evaluations): 8 held-out prompts, k = 6, the policy's own samples at T = 1."""
+    from trl_tlt.tooling.warm_start import main as train_drafter
+
+    rows = real_model_prompts(args.warm_prompts + 8, seed=23)
+    with tempfile.TemporaryDirectory() as folder:
+        data = os.path.join(folder, "prompts.jsonl")
+        with open(data, "w") as f:
+            for row in rows:
+                f.write(json.dumps({"prompt": row["prompt"]}) + "\n")
+        # sampling and evaluations take their share of the wall time: training gets what is left
+        start = time.perf_counter()
+        report = train_drafter([
+            "--policy", real_model_path(), "--output", args.warm_head, "--dataset", data, "--eval-prompts", "8",
+            "--num-prompts", str(args.warm_prompts), "--max-new-tokens", str(COMPLETION), "--num-speculative-tokens", "6",
+            "--epochs", "1000", "--max-seconds", str(args.warm_train_seconds), "--eval-every-seconds", "60",
+            "--max-tokens-per-batch", "1024",
+        ])  # fmt: skip
+        wall = time.perf_counter() - start
+    curve = report["curve"]
+    return {
+        "warm_acceptance_10min": report["after"]["mean_acceptance_length"],
+        "warm_before_acceptance": report["before"]["mean_acceptance_length"],
+        "warm_wall_seconds": wall,
+        "warm_generate_seconds": report["generate_seconds"],
+        "warm_train_seconds": report["train_seconds"],
+        "warm_num_tokens": report["num_tokens"],
+        "warm_steps": report["steps"],
+        "warm_curve": curve,
+        "warm_after_per_position": report["after"]["acceptance_rate_per_position"],
+    }
+
+
+PARTS = {
+    "spot_step": part_spot_step, "verify": part_verify, "rss": part_rss, "warm": part_warm, "online": part_online,
+}  # fmt: skip
 
 
 def main():
@@ -264,6 +337,8 @@ def main():
     parser.add_argument("--spot-steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warm-prompts", type=int, default=384, help="warm: prompts the policy completes.")
+    parser.add_argument("--warm-train-seconds", type=float, default=330.0, help="warm: training seconds.")
     parser.add_argument(
         "--warm-head", default=None, help="A warm-started EAGLE-3 head (trl-tlt train-drafter's output)."
     )

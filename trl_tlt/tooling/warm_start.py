@@ -103,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--ttt-length", type=int, default=4)
     parser.add_argument("--max-tokens-per-batch", type=int, default=1024)
-    parser.add_argument("--draft-vocab-size", type=int, default=None)
+    parser.add_argument(
+        "--draft-vocab-size", type=int, default=None,
+        help="A new head's draft vocabulary (default: sized to the tokens the policy's samples use, as in the trainer).",
+    )  # fmt: skip
     parser.add_argument("--aux-layer-ids", type=int, nargs=3, default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the acceptance evaluation.")
     parser.add_argument("--temperature", type=float, default=1.0)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from ..drafters.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, fitted_size
 from ..drafters.eagle3 import Eagle3Model
 from .distillation import (
     DistillConfig,
@@ -239,7 +240,8 @@ def warm_start_drafter(
 ) -> dict:
     """Train a drafter for `policy` offline, evaluate its acceptance on `eval_prompts`, save it to `output_dir`.
 
-    `drafter=None` builds a new EAGLE-3 head (draft vocabulary from the rollouts' token frequencies); otherwise
+    `drafter=None` builds a new EAGLE-3 head (draft vocabulary from the rollouts' token frequencies, sized to the
+    tokens they use as the trainer sizes a new head's, or `draft_vocab_size`); otherwise
     `drafter` is a small causal LM (optionally a peft model: LoRA adapters only). `completions` (aligned with
     `prompts`) skip generation; by default the policy completes every prompt with `params`, as in RL, and its forwards
     record the features the drafter trains on. `max_seconds` / `max_tokens`: the training budget (`train_drafter`).
@@ -257,7 +259,9 @@ def warm_start_drafter(
         counts = torch.zeros(vocab)
         for s in samples:
             counts += torch.bincount(torch.tensor(s.token_ids[s.prompt_length :]), minlength=vocab)[:vocab]
-        model = Eagle3Model.for_policy(policy, aux_hidden_state_layer_ids, draft_vocab_size, counts)
+        # as a new head in the trainer: sized to the tokens the policy uses (`fitted_size`), unless given
+        size = draft_vocab_size or fitted_size(counts, min(DEFAULT_DRAFT_VOCAB_SIZE, vocab))
+        model = Eagle3Model.for_policy(policy, aux_hidden_state_layer_ids, size, counts)
         make = Eagle3Drafter
     else:
         model = drafter
