@@ -295,6 +295,12 @@ def test_tool_calling_multi_turn_through_the_engine(tokenizer, tmp_path):
     assert logged["tools/call_frequency"] == grpo.state.log_history[0]["tools/call_frequency"] == 1.0
     # the engine's last call was the turn after the tool results: one sequence per sample, speculated
     assert tlt.tlt_last_stats.num_prompts == 8 and tlt.tlt_last_stats.num_draft_tokens > 0
+    # the drafter trained on what the policy sampled, each turn with its own features: no tool result in a completion
+    # (GRPOTrainer's tool loop replaces the returned completions in place), no policy forward of its own
+    spot = tlt.tlt_spot
+    assert spot.rerun_samples == 0 and spot.total_steps > 0
+    for sample in [*spot.buffer.samples, *spot.buffer.held_out]:
+        assert sample.features is not None and len(sample.features) == len(sample.token_ids) - 1
     for (n, p_base), (_, p_tlt) in zip(grpo.model.named_parameters(), tlt.model.named_parameters(), strict=True):
         torch.testing.assert_close(p_tlt, p_base, msg=n)
 

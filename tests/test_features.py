@@ -71,6 +71,7 @@ def test_recorded_features_equal_a_forward_over_the_finished_sequences(policy, a
     for prompt, completion, states in zip(prompts, out.completion_ids, out.features, strict=True):
         sample = DrafterSample(prompt + completion, len(prompt))
         assert states.shape == (len(sample.token_ids) - 1, len(layers), 64)
+        assert states.untyped_storage().nbytes() == states.nbytes  # its own memory: dropping it frees it
         (expected,) = policy_features(policy, [sample], head.aux_layer_ids)
         got = recorded_features(DrafterSample(sample.token_ids, len(prompt), states, 0), True, "cpu")
         torch.testing.assert_close(got.aux, expected.aux[:-1], rtol=1e-4, atol=1e-4)
@@ -148,6 +149,26 @@ def test_features_from_before_the_policys_last_update_are_dropped():
     assert {s.token_ids[2] for s in restored.samples} <= {4, 7}
 
 
+def test_a_phase_the_budget_skips_buffers_nothing_and_stale_features_go_without_a_new_rollout(policy):
+    """One process, a phase the time budget will skip: no features recorded for it (`wants_features`), nothing added
+    (its features would be stale by the next phase); a rollout with no turn of the engine still drops what is stale.
+    Mutations: buffer a skipped phase's rollout, or filter versions only inside `add`."""
+    torch.manual_seed(0)
+    head = Eagle3Model.for_policy(policy)
+    spot = SpotTrainer(head, DataBuffer(window=2), seed=0)
+    prompts, completions, features = recorded_rollout(policy, head)
+    spot.observe_rollout(prompts, completions, features, version=0)
+    assert spot.buffer.samples
+    spot.budget.skip = 1
+    assert not spot.wants_features
+    spot.observe_rollout(prompts, completions, None, version=1)
+    assert not spot.buffer.samples and not spot.buffer.held_out
+    spot.budget.skip = 0
+    spot.observe_rollout(prompts, completions, features, version=2)
+    spot.buffer.drop_stale(3)  # the stack's call for a rollout without turns of ours
+    assert not spot.buffer.samples and not spot.buffer.held_out
+
+
 def test_the_feature_memory_cap_drops_the_oldest_sequences():
     buffer = DataBuffer(window=2, max_feature_bytes=3 * 9 * 2 * 4 * 4)  # three samples' features
     buffer.add([[1, 2]] * 2, [[3] * 8] * 2, [torch.zeros(9, 2, 4)] * 2, version=0)
@@ -158,8 +179,9 @@ def test_the_feature_memory_cap_drops_the_oldest_sequences():
 
 def test_a_steadily_improving_head_keeps_its_budget():
     """The issue's new head on a real model (1.00, 1.08, 1.17, 1.15 after its warm-up): improving, it keeps the full
-    share; flat below min_acceptance, it is left idle. Mutation: judge by the gap of two moving averages (the old
-    rule) and it is left idle at 1.15."""
+    share; flat below min_acceptance, it is left idle; measurements that scatter around a level are not a trend.
+    Mutations: judge by the gap of two moving averages (the old rule) and it is left idle at 1.15; drop the standard
+    error and the scattered plateau trains at the full share."""
     budget = SpotBudget(time_budget=1.0, warmup_phases=0)
     for value in (1.0, 1.08, 1.17, 1.15):
         budget.observe(value)
@@ -167,6 +189,14 @@ def test_a_steadily_improving_head_keeps_its_budget():
     for _ in range(6):
         budget.observe(1.15)
     assert budget.share == 0.0
+    noisy = SpotBudget(time_budget=1.0)  # the real model's measurements on a plateau: scatter, not a trend
+    for value in (1.48, 1.12, 1.19, 1.14, 1.51, 1.19):
+        noisy.observe(value)
+    assert abs(noisy.trend) < 0.05 < 2 * noisy._line()[1] and noisy.share == 0.0
+    scattered = SpotBudget(time_budget=1.0)
+    for value in (1.63, 1.31, 1.41, 1.25, 1.02, 1.63):  # |trend| 0.15 > tolerance, within twice its error
+        scattered.observe(value)
+    assert abs(scattered.trend) > scattered.tolerance and scattered.share == scattered.plateau_share
     restored = SpotBudget()
     restored.load_state_dict({**budget.state_dict(), "slow_mean": 1.0})  # an older checkpoint's field is ignored
     assert restored.recent == budget.recent and restored.share == 0.0

@@ -174,28 +174,38 @@ def part_verify(args) -> dict:
 
 
 RSS_CHILD = """
-import resource, sys, torch
-from trl_tlt.tooling.benchmarks import trainer_config
+import sys, torch
 sys.path.insert(0, {script_dir!r})
 import bench_real_model as b
 policy, tokenizer = b.load(b.real_model_path())
 prompts = b.encode(tokenizer, b.real_model_prompts(b.ROWS, seed=1))
 params = b.SamplingParams(max_new_tokens=b.COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(policy.config.eos_token_id,))
 head = b.new_head(policy, [p[-8:] for p in prompts])
-loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 drafter = (b._EveryLayer if {every} else b.Eagle3Drafter)(head)
+b.peak_rss_mb(reset=True)  # the peak of loading the model is not the rollout's
 b.SpeculativeEngine(policy, drafter=drafter, num_speculative_tokens=3).generate(prompts, params, generator=torch.Generator().manual_seed(0))
-print(loaded, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(b.peak_rss_mb())
 """
 
 
+def peak_rss_mb(reset: bool = False) -> float:
+    """This process's peak resident memory (Linux: VmHWM), MiB; `reset` starts a new peak from the current size."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def part_rss(args) -> dict:
+    """Peak resident memory of a 16-row rollout with the head (k = 3), from a fresh peak after loading, in a process
+    of its own: every layer's hidden states kept (before) vs only the head's (after)."""
     out = {}
     for name, every in (("before", True), ("after", False)):
         code = RSS_CHILD.format(script_dir=os.path.dirname(os.path.abspath(__file__)), every=every)
-        loaded, peak = map(float, subprocess.check_output([sys.executable, "-c", code], text=True).split()[-2:])
-        out[f"rollout_peak_rss_mb_{name}"] = peak
-        out[f"rollout_rss_growth_mb_{name}"] = peak - loaded
+        out[f"rollout_peak_rss_mb_{name}"] = float(
+            subprocess.check_output([sys.executable, "-c", code], text=True).split()[-1]
+        )
     return out
 
 
@@ -349,6 +359,7 @@ def main():
         start = time.perf_counter()
         result.update(PARTS[part](args))
         result.setdefault("part_seconds", {})[part] = time.perf_counter() - start
+        result.setdefault("part_commands", {})[part] = "python " + " ".join(sys.argv)
         print(part, {k: v for k, v in result.items() if not isinstance(v, dict | list)}, flush=True)
     result["machine_note"] = machine()
     write_json(result, args.output)

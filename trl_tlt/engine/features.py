@@ -32,15 +32,21 @@ class FeatureRecorder:
         self._owners: list[torch.Tensor] = []
 
     def record(self, hidden_states, row_ids: torch.Tensor, kept: torch.Tensor) -> None:
-        """One forward's states (`hidden_states[layer]`: (B, n, H)) at the positions `kept` (B, n) of rows `row_ids`."""
-        stacked = torch.stack([hidden_states[i][:, : kept.size(1)] for i in self.layers], dim=2)  # (B, n, m, H)
-        self._states.append(stacked[kept].to(self.device))
+        """One forward's states (`hidden_states[layer]`: (B, n, H)) at the positions `kept` (B, n) of rows `row_ids`:
+        each layer's kept positions go to `device` on their own (no stacked copy of the whole forward on the
+        policy's device)."""
+        width = kept.size(1)
+        layers = [hidden_states[i][:, :width][kept].to(self.device) for i in self.layers]
+        self._states.append(torch.stack(layers, dim=1))  # (kept positions, m, H)
         self._owners.append(row_ids[:, None].expand_as(kept)[kept].to(self.device))
 
     def rows(self, lengths: Sequence[int]) -> list[torch.Tensor]:
-        """Each row's first `lengths[i]` recorded positions, (lengths[i], len(layers), H)."""
+        """Each row's first `lengths[i]` recorded positions, (lengths[i], len(layers), H), each in storage of its own
+        (a row kept alone keeps nothing else alive). The recorder is emptied."""
         states, owners = torch.cat(self._states), torch.cat(self._owners)
-        order = torch.sort(owners, stable=True).indices
-        counts = torch.bincount(owners, minlength=self.num_rows).tolist()
-        per_row = states[order].split(counts)
-        return [row[:n] for row, n in zip(per_row, lengths, strict=True)]
+        self._states, self._owners = [], []
+        rows = []
+        for row, n in enumerate(lengths):
+            positions = (owners == row).nonzero().squeeze(1)[:n]  # recorded in order
+            rows.append(states.index_select(0, positions))
+        return rows

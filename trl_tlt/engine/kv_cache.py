@@ -87,7 +87,10 @@ class LayerTap:
         num_layers = model.config.get_text_config().num_hidden_layers
         if any(not 0 <= i <= num_layers for i in self.layers):
             raise ValueError(f"Layer ids must be in [0, {num_layers}] (num_hidden_layers), got {list(self.layers)}.")
-        decoder = model.get_decoder()
+        try:
+            decoder = model.get_decoder()
+        except (AttributeError, NotImplementedError):  # no decoder to hook: `output_hidden_states` instead
+            decoder = None
         self._blocks = getattr(decoder, "layers", None)
         self._norm = getattr(decoder, "norm", None)
         self.num_layers = num_layers

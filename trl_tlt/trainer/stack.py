@@ -142,20 +142,22 @@ class RolloutStack:
 
     def generate(
         self, policy: PreTrainedModel, prompt_ids: list[list[int]], params: SamplingParams, pad_token_id: int,
-        padded_width: int,
+        padded_width: int, training: bool = True,
     ) -> GenerationOutput:  # fmt: skip
-        """One generation turn through trl-tlt's engine, recorded for the end of the rollout (with the hidden states
-        spot training reads, which the engine keeps as it goes: drafter training never runs the policy again)."""
+        """One generation turn through trl-tlt's engine, recorded for the end of the rollout (in `training`, with the
+        hidden states spot training will read, which the engine keeps as it goes: drafter training never runs the
+        policy again)."""
         drafter, speculation = self.rollout_drafter()
         engine = SpeculativeEngine(policy, drafter=drafter, speculation=speculation, pad_token_id=pad_token_id)
-        layers = self.spot.feature_layers(policy) if self.spot is not None and self.turns is not None else None
+        record = training and self.spot is not None and self.turns is not None and self.spot.wants_features
+        layers = self.spot.feature_layers(policy) if record else None
         out = engine.generate(
             prompt_ids, params, generator=self.generator, padded_width=padded_width, record_layers=layers
         )
-        # Copies: GRPOTrainer's tool loop extends the returned completions in place with the tool's tokens, which the
-        # policy did not sample (they reach the drafter as the next turn's prompt).
-        completions = [list(c) for c in out.completion_ids]
-        self.record(RolloutTurn(prompt_ids, completions, out.stats.total_s, features=out.features))
+        # Copies: GRPOTrainer's tool loop replaces the returned completions in place with completion + tool result +
+        # the next turn, tokens the policy did not sample.
+        prompts, completions = [list(p) for p in prompt_ids], [list(c) for c in out.completion_ids]
+        self.record(RolloutTurn(prompts, completions, out.stats.total_s, features=out.features))
         self.last_stats = out.stats
         return out
 
@@ -178,6 +180,11 @@ class RolloutStack:
         if prompts:  # a rollout with no turn of ours (a rollout_func's own generation) still joins the others
             features = [f for turn in turns for f in (turn.features or [None] * len(turn.prompt_ids))]
             self.spot.observe_rollout(prompts, completions, features, version)
+            for turn in turns:  # the buffer holds them now, within its memory cap
+                if turn.features:
+                    turn.features.clear()
+        else:  # nothing new: what the buffer holds of an older policy goes all the same
+            self.spot.buffer.drop_stale(version)
         if self.spot.group is None:  # one process: within the time budget, which the rollout's seconds set
             self.last_spot = self.spot.run_between_rollouts(policy, sum(turn.seconds for turn in turns))
         else:  # several: while the other ranks still generate, then the merge

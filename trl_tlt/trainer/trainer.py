@@ -150,7 +150,9 @@ class TLTGRPOTrainer(GRPOTrainer):
                 if reason is None:
                     params = settings.sampling_params(unwrapped_model, self.generation_config)
                     pad = self._tokenizer.pad_token_id
-                    out = stack.generate(unwrapped_model, prompt_ids, params, pad, self._padded_width(prompt_ids))
+                    out = stack.generate(
+                        unwrapped_model, prompt_ids, params, pad, self._padded_width(prompt_ids), self.model.training
+                    )
             if reason is None:
                 self._log(rollout_metrics(out.stats, stack.history))
                 # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.

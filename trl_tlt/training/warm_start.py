@@ -114,6 +114,8 @@ def train_drafter(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         scheduler.step()
+        if params[0].is_cuda:  # the step's kernels done before the clock stops
+            torch.cuda.synchronize(params[0].device)
         seconds += time.perf_counter() - start
         tokens += batch_tokens[index]
         if step == 2 and max_seconds is not None:  # the budget in steps, from the first steps' cost
@@ -284,7 +286,9 @@ def warm_start_drafter(
     report["generate_seconds"] = generate_s
     report["steps"] = len(history)
     report["first"] = history[0]  # the first drafter step's loss and accuracies
-    report["final"] = {key: sum(h.get(key, 0.0) for h in history[-10:]) / min(len(history), 10) for key in history[-1]}
+    last = history[-10:]  # the last steps' loss and accuracies (not the running counts, not the evaluations)
+    keys = [key for key in history[-1] if key not in ("tokens", "seconds", "acceptance")]
+    report["final"] = {key: sum(h.get(key, 0.0) for h in last) / len(last) for key in keys}
     if eval_prompts:
         report["curve"] = [{"tokens": 0, "seconds": 0.0, "acceptance": report["before"]["mean_acceptance_length"]}]
         report["curve"] += [

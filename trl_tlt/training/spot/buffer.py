@@ -6,7 +6,12 @@ from __future__ import annotations
 import random
 from collections import deque
 
+from transformers.utils import logging
+
 from ..distillation import DrafterSample
+
+
+logger = logging.get_logger(__name__)
 
 
 HELD_OUT_EVERY = 8  # every 8th buffered sequence is held out for `evaluate`
@@ -64,18 +69,18 @@ class DataBuffer:
             if not completion:
                 continue
             if states is not None and len(states) != len(prompt) + len(completion) - 1:
-                raise ValueError(
-                    f"Features of {len(states)} positions for a sequence of {len(prompt) + len(completion)} tokens: "
-                    "they must cover every position but the last (the completion changed after its rollout?)."
+                logger.warning(  # never trained on: a forward of the policy over the sequence instead
+                    f"Features of {len(states)} positions for a sequence of {len(prompt) + len(completion)} tokens "
+                    "(they cover every position but the last): the sequence changed after its rollout. Drafter "
+                    "training runs the policy over it instead."
                 )
+                states = None
             sample = DrafterSample(
                 list(prompt) + list(completion), len(prompt), states, None if states is None else version
             )
             self.num_added += 1
             (held_out if self.num_added % HELD_OUT_EVERY == 0 else train).append(sample)
-        if version is not None:  # features of an older policy: dropped
-            for rollout in self.rollouts:
-                rollout[:] = [s for s in rollout if s.version is None or s.version >= version]
+        self.drop_stale(version)
         self.rollouts.append(train)
         self.held_out = held_out
         while len(self.rollouts) > self.window:
@@ -85,6 +90,13 @@ class DataBuffer:
         ):
             oldest = next(r for r in self.rollouts if r)
             oldest.pop(0)
+
+    def drop_stale(self, version: int | None) -> None:
+        """Drop the sequences whose features the policy computed before `version` (None: nothing to compare)."""
+        if version is None:
+            return
+        for rollout in (*self.rollouts, self.held_out):
+            rollout[:] = [s for s in rollout if s.version is None or s.version >= version]
 
     @property
     def samples(self) -> list[DrafterSample]:
@@ -96,7 +108,8 @@ class DataBuffer:
 
     @property
     def feature_bytes(self) -> int:
-        return sum(s.features.nbytes for s in self.samples if s.features is not None)
+        """Bytes of features held, the held-out sequences' included."""
+        return sum(s.features.nbytes for s in [*self.samples, *self.held_out] if s.features is not None)
 
     def sample(self, max_tokens: int, rng: random.Random) -> list[DrafterSample]:
         """Sequences drawn uniformly without replacement until `max_tokens` (at least one, if any)."""

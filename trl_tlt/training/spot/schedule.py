@@ -49,12 +49,13 @@ class SpotBudget:
     A phase earns `time_budget x rollout seconds x share` of credit and spends it on held-out evaluation and drafter
     steps (a step starts only while the credit covers its expected time; what a phase leaves, or overdraws, carries
     to the next, at most one phase's worth). The share follows what the drafter is learning: the trend of its held-out
-    acceptance length `a` over the last `window` phases (the least-squares line's change across them, robust to
-    one noisy measurement), and its level (a moving average):
+    acceptance length `a` over the last `window` phases (the least-squares line's change across them; a trend counts
+    when it exceeds `tolerance` and twice its standard error, so that the measurements' scatter is not taken for
+    learning), and its level (a moving average):
 
         warm-up (a new head's first `warmup_phases`, or fewer than 3 measurements)  share 1
-        trend > tolerance (still learning, however low it still is)                 share 1
-        trend < -tolerance (drift: the policy moved away from it)                    share 1
+        trend > +threshold (still learning, however low it still is)                share 1
+        trend < -threshold (drift: the policy moved away from it)                   share 1
         flat, level < `min_acceptance` (stopped improving, does not pay)             share 0: skip 1, 2, 4, ... phases,
                                                                                       then probe again
         flat otherwise (plateau)                                                     share `plateau_share`
@@ -99,25 +100,33 @@ class SpotBudget:
         self.fast_mean += self.fast * (acceptance - self.fast_mean)
         self.recent = [*self.recent, acceptance][-self.window :]
 
-    @property
-    def trend(self) -> float | None:
-        """The change in acceptance length across the recent measurements, on their least-squares line (None: fewer
-        than 3)."""
+    def _line(self) -> tuple[float, float] | None:
+        """The change in acceptance length across the recent measurements on their least-squares line, and its
+        standard error (None: fewer than 3)."""
         n = len(self.recent)
         if n < 3:
             return None
         mean_x, mean_y = (n - 1) / 2, sum(self.recent) / n
-        covariance = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(self.recent))
         variance = sum((x - mean_x) ** 2 for x in range(n))
-        return covariance / variance * (n - 1)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(self.recent)) / variance
+        residuals = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in enumerate(self.recent))
+        return slope * (n - 1), math.sqrt(residuals / (n - 2) / variance) * (n - 1)
+
+    @property
+    def trend(self) -> float | None:
+        """The change in acceptance length across the recent measurements, on their least-squares line (None: fewer
+        than 3)."""
+        line = self._line()
+        return None if line is None else line[0]
 
     @property
     def share(self) -> float:
         """Share of the time budget the current phase gets (after `observe`)."""
-        trend = self.trend
-        if self.phases <= self.warmup_phases or trend is None:
+        line = self._line()
+        if self.phases <= self.warmup_phases or line is None:
             return 1.0
-        if abs(trend) > self.tolerance:
+        trend, error = line
+        if abs(trend) > max(self.tolerance, 2 * error):  # a trend the measurements' scatter does not explain
             return 1.0
         if self.fast_mean < self.min_acceptance:
             return 0.0

@@ -162,6 +162,11 @@ class SpotTrainer:
             return eagle3_loss(self.drafter, head_weight, pack(features, 1 << 62)[0], self.config, agreement)
         return lm_distill_loss(self.drafter, head_weight, features, self.config.chunk_size)
 
+    @property
+    def wants_features(self) -> bool:
+        """Whether the next phase trains on the coming rollout (one process: not a phase the budget skips)."""
+        return self.group is not None or self.steps_per_phase is not None or self.budget.skip == 0
+
     def feature_layers(self, policy: PreTrainedModel) -> list[int]:
         """The policy's layers a rollout records for this drafter (`SpeculativeEngine.generate(record_layers=)`): an
         EAGLE-3 head's auxiliary layers, then the last (the policy's distribution, through its LM head)."""
@@ -266,8 +271,12 @@ class SpotTrainer:
     ) -> None:
         """This rank's latest rollout: into the buffer (with the policy's `features` of each row, computed at policy
         `version`, where its rollout recorded them: `DataBuffer.add`), and its tokens into the draft vocabulary's
-        counts."""
-        self.buffer.add(prompts, completions, features, version)
+        counts. A rollout whose phase the time budget skips is only counted: no step will read it, and by the next phase
+        its features are stale."""
+        if self.wants_features:
+            self.buffer.add(prompts, completions, features, version)
+        else:
+            self.buffer.drop_stale(version)
         if self.vocab is not None:
             counts = self.vocab.token_counts(completions)
             self._rollout_counts = counts if self._rollout_counts is None else self._rollout_counts + counts
