@@ -142,6 +142,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         policy = self.accelerator.unwrap_model(self.model)
         reason = settings.stock_generation_reason(images, multimodal_fields, stack.fallback_reason, policy)
         if reason is None:
+            training = self.model.training  # read before the context puts the policy in eval mode
             with profiling_context(self, "tlt.generate"), self._unwrapped_for_generation() as unwrapped_model:
                 if not stack.engine_checked:  # once, on the real policy (gathered, in eval mode)
                     stack.engine_checked = True
@@ -151,7 +152,7 @@ class TLTGRPOTrainer(GRPOTrainer):
                     params = settings.sampling_params(unwrapped_model, self.generation_config)
                     pad = self._tokenizer.pad_token_id
                     out = stack.generate(
-                        unwrapped_model, prompt_ids, params, pad, self._padded_width(prompt_ids), self.model.training
+                        unwrapped_model, prompt_ids, params, pad, self._padded_width(prompt_ids), training
                     )
             if reason is None:
                 self._log(rollout_metrics(out.stats, stack.history))

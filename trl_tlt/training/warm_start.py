@@ -58,6 +58,13 @@ def training_batches(features: list[Features], is_eagle: bool, config: DistillCo
     return batches, [sum(len(f.sample.token_ids) for f in b) for b in batches]
 
 
+def _synchronized(param: torch.Tensor) -> float:
+    """The clock once the device's kernels are done (CUDA runs them after the call returns)."""
+    if param.is_cuda:
+        torch.cuda.synchronize(param.device)
+    return time.perf_counter()
+
+
 def train_drafter(
     policy: PreTrainedModel,
     drafter: Eagle3Model | PreTrainedModel,
@@ -114,9 +121,7 @@ def train_drafter(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         scheduler.step()
-        if params[0].is_cuda:  # the step's kernels done before the clock stops
-            torch.cuda.synchronize(params[0].device)
-        seconds += time.perf_counter() - start
+        seconds += _synchronized(params[0]) - start
         tokens += batch_tokens[index]
         if step == 2 and max_seconds is not None:  # the budget in steps, from the first steps' cost
             plan[0] = max(3, min(plan[0], int(max_seconds / (seconds / 3))))
@@ -128,8 +133,7 @@ def train_drafter(
             or (max_seconds is not None and seconds >= max_seconds)
         )
         if evaluate is not None and (seconds - last_eval >= eval_every_seconds or done):
-            drafter.eval()
-            acceptance, last_eval = evaluate(drafter), seconds
+            acceptance, last_eval = evaluate(drafter.eval()), seconds
             metrics["acceptance"] = acceptance
         history.append(metrics)
         bar.update()
