@@ -153,6 +153,26 @@ def verify_costs(policy, head, prompts, every_layer: bool, repeats: int) -> dict
     return result
 
 
+def forward_cost_ratio(policy, prompts, batch: int, repeats: int = 12) -> float:
+    """The policy's own forward over 4 new positions (a verification of 3 drafts) over 1 (a plain decode step), in the
+    ragged cache, nothing else: the floor of `verify_step_cost_ratio`."""
+    from trl_tlt.engine.kv_cache import RaggedKVModel
+
+    seconds = {}
+    for width in (1, 4):
+        runner = RaggedKVModel(policy)
+        runner.prefill((prompts * 16)[:batch])
+        times = []
+        for _ in range(repeats):
+            ids = torch.randint(10, 1000, (batch, width))
+            start = time.perf_counter()
+            runner.extend(ids, torch.ones_like(ids, dtype=torch.bool))
+            times.append(time.perf_counter() - start)
+            runner.truncate(runner.lengths - (width - 1))
+        seconds[width] = statistics.median(times)
+    return seconds[4] / seconds[1]
+
+
 def part_verify(args) -> dict:
     policy, tokenizer = load(real_model_path())
     prompts = encode(tokenizer, real_model_prompts(ROWS, seed=1))
@@ -170,6 +190,7 @@ def part_verify(args) -> dict:
             out[f"verify_step_cost_ratio_bs{batch}_{name}"] = costs[f"bs{batch}"]["ratio"]
     for batch in (1, 4, 16):
         out[f"verify_step_cost_ratio_bs{batch}"] = out[f"verify_step_cost_ratio_bs{batch}_after"]
+        out[f"policy_forward_4_over_1_bs{batch}"] = forward_cost_ratio(policy, prompts, batch)
     return out
 
 
