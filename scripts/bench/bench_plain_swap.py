@@ -26,7 +26,11 @@ import statistics
 import tempfile
 import time
 
-from trl_tlt.tooling.benchmarks import trainer_config, write_json  # first: the Hugging Face libraries offline
+from trl_tlt.tooling.benchmarks import (  # first: the Hugging Face libraries offline
+    step_timer,
+    trainer_config,
+    write_json,
+)
 
 
 # isort: split
@@ -55,19 +59,6 @@ from trl_tlt.training.warm_start import evaluate_acceptance  # noqa: E402
 
 
 QWEN25_VOCAB_SIZE = 151_665
-
-
-class StepTimes(TrainerCallback):
-    """Wall seconds of every optimizer step (rollout, scoring and training), and the logs of each."""
-
-    def __init__(self):
-        self.times, self._start = [], None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self._start)
 
 
 TRAINERS = ["grpo", "tlt"]  # --trainers
@@ -106,7 +97,7 @@ def run_trainer(trainer_cls, policy_path: str, config: GRPOConfig, dataset, rewa
         train_dataset=dataset,
         processing_class=tokenizer,
     )
-    times = StepTimes()
+    times = step_timer()
     trainer.add_callback(times)
     if probe is not None:
         trainer.add_callback(probe(trainer))

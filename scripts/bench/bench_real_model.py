@@ -28,13 +28,18 @@ import sys
 import tempfile
 import time
 
-from trl_tlt.tooling.benchmarks import machine, trainer_config, write_json  # first: the Hugging Face libraries offline
+from trl_tlt.tooling.benchmarks import (  # first: the Hugging Face libraries offline
+    machine,
+    step_timer,
+    trainer_config,
+    write_json,
+)
 
 
 # isort: split
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_tlt.drafters.draft_vocab import fitted_size  # noqa: E402
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model  # noqa: E402
@@ -230,17 +235,6 @@ def part_rss(args) -> dict:
     return out
 
 
-class StepTimes(TrainerCallback):
-    def __init__(self):
-        self.times, self._start = [], None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self._start)
-
-
 def run_trainer(kind: str, args, tlt_args: dict | None) -> dict:
     from datasets import Dataset
     from trl import GRPOTrainer
@@ -259,7 +253,7 @@ def run_trainer(kind: str, args, tlt_args: dict | None) -> dict:
         start = time.perf_counter()
         trainer = cls(model=policy.train(), reward_funcs=answer_reward, args=config, train_dataset=dataset,
                       processing_class=tokenizer)  # fmt: skip
-        times = StepTimes()
+        times = step_timer()
         trainer.add_callback(times)
         rollouts = []
         generate = trainer._generate  # one rollout (spot training included: TLT trains the drafter at its end)

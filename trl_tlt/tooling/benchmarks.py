@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Callable
 
 
@@ -56,6 +57,23 @@ def trainer_config(
     if trainer == "grpo":
         return GRPOConfig(**fields)
     return TLTConfig(**fields, **(tlt_args or {}))
+
+
+def step_timer():
+    """A `TrainerCallback` whose `times` are the wall seconds of every optimizer step (rollout, scoring and training)."""
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times, self._start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._start)
+
+    return StepTimes()
 
 
 def write_json(result: dict, path: str | None) -> None:

@@ -108,6 +108,19 @@ def recorded_features(sample: DrafterSample, with_aux: bool, device) -> Features
     return Features(sample, states[:, :-1].flatten(1) if with_aux else None, last)
 
 
+def sample_features(
+    policy: PreTrainedModel, drafter, samples: list[DrafterSample], batch_size: int = 16
+) -> list[Features]:
+    """The policy's view of `samples` for `drafter` (an `Eagle3Model` reads its auxiliary layers, a small LM none):
+    what their rollout recorded, and a forward of the policy, `batch_size` samples at a time, over the others (vLLM's
+    rollouts, a dataset's own completions)."""
+    is_eagle = isinstance(drafter, Eagle3Model)
+    device = policy.get_output_embeddings().weight.device
+    missing = [s for s in samples if s.features is None]
+    computed = iter(policy_features(policy, missing, drafter.aux_layer_ids if is_eagle else [], batch_size))
+    return [recorded_features(s, is_eagle, device) if s.features is not None else next(computed) for s in samples]
+
+
 @dataclass
 class PackedBatch:
     """Drafter index t of a sample pairs the policy's state at position t with token t+1 (length N-1).

@@ -21,8 +21,7 @@ from .distillation import (
     eagle3_loss,
     lm_distill_loss,
     pack,
-    policy_features,
-    recorded_features,
+    sample_features,
 )
 
 
@@ -30,16 +29,6 @@ def cosine_lr(step: int, total: int, warmup: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
-
-
-def drafter_features(policy: PreTrainedModel, drafter, samples: list[DrafterSample]) -> list[Features]:
-    """The policy's view of `samples`: what their rollout recorded, and one forward of the policy over the others (a
-    dataset's own completions)."""
-    is_eagle = isinstance(drafter, Eagle3Model)
-    device = policy.get_output_embeddings().weight.device
-    missing = [s for s in samples if s.features is None]
-    computed = iter(policy_features(policy, missing, drafter.aux_layer_ids if is_eagle else []))
-    return [recorded_features(s, is_eagle, device) if s.features is not None else next(computed) for s in samples]
 
 
 def training_batches(features: list[Features], is_eagle: bool, config: DistillConfig) -> tuple[list, list[int]]:
@@ -93,7 +82,7 @@ def train_drafter(
 
     config = config or DistillConfig()
     is_eagle = isinstance(drafter, Eagle3Model)
-    batches, batch_tokens = training_batches(drafter_features(policy, drafter, samples), is_eagle, config)
+    batches, batch_tokens = training_batches(sample_features(policy, drafter, samples), is_eagle, config)
     params = [p for p in drafter.parameters() if p.requires_grad]
     if not params:
         raise ValueError("The drafter has no trainable parameters.")

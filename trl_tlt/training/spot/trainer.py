@@ -20,8 +20,7 @@ from ..distillation import (
     eagle3_loss,
     lm_distill_loss,
     pack,
-    policy_features,
-    recorded_features,
+    sample_features,
 )
 from .buffer import DataBuffer, take_tokens
 from .schedule import SpotBudget, SpotSchedule
@@ -175,16 +174,9 @@ class SpotTrainer:
 
     def _features(self, policy: PreTrainedModel, samples: list[DrafterSample]):
         """The policy's view of `samples`: what their rollout recorded, or (samples without, e.g. vLLM's rollouts) a
-        forward of the policy over them."""
-        device = policy.get_output_embeddings().weight.device
-        missing = [s for s in samples if s.features is None]
-        if missing:
-            self.rerun_samples += len(missing)
-            aux_ids = self.drafter.aux_layer_ids if self.is_eagle else []
-            computed = iter(policy_features(policy, missing, aux_ids, batch_size=len(missing)))
-        return [
-            recorded_features(s, self.is_eagle, device) if s.features is not None else next(computed) for s in samples
-        ]
+        forward of the policy over them, counted in `rerun_samples`."""
+        self.rerun_samples += sum(s.features is None for s in samples)
+        return sample_features(policy, self.drafter, samples, batch_size=len(samples))
 
     def step(self, policy: PreTrainedModel, preempt=None) -> float | None:
         """One drafter optimizer step on a sample of the buffer; returns its loss, or None if there was nothing to
