@@ -4,6 +4,8 @@ script would be, with the case's options; every rank writes what the test compar
     accelerate launch --num_processes 2 ... tests/_matrix_run.py SPEC.json
 
 SPEC.json: {"trainer": "grpo" | "tlt", "model_dir", "output_dir", "tag", "config": {extra config fields},
+"sharding": null | "fsdp2" | "zero2" | "zero3" (the policy sharded as accelerate would shard it on GPUs: `sharded_at_the_seam`),
+"max_completion_length_by_rank": [n0, n1] or null (the ranks' rollouts end at different lengths),
 "tools": bool, "slow_rank": rank or null (that rank's generation turns take `slow_seconds` longer: the ranks' rollouts
 end at different times), "kill_after": global step or null (every rank exits abruptly once that step's checkpoint is
 written, as a killed job), "resume": checkpoint folder or null, "prompts": [...]}.
@@ -47,7 +49,8 @@ class KillAfter(TrainerCallback):
         if state.global_step == self.step:  # the checkpoint of `step` was written at its end
             if hasattr(self.trainer, "join_drafter_writes"):
                 self.trainer.join_drafter_writes()
-            torch.distributed.barrier()  # every rank's own files are written
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()  # every rank's own files are written
             sys.stdout.flush()
             os._exit(0)
 
@@ -64,6 +67,42 @@ def _load_on_cpu(load):
     return patched
 
 
+def sharded_at_the_seam(sharding: str, config: dict) -> None:
+    """The trainer's policy sharded on a CPU machine, where accelerate engages neither FSDP nor DeepSpeed: the config
+    asks for it as on GPUs, and the Accelerator the Trainer builds is set to it at its seam (accelerate 1.16 picks
+    MULTI_CPU for FSDP on a CPU, and under DeepSpeed on a CPU leaves its state at one process with no backend)."""
+    import accelerate.state
+    import transformers.trainer
+    from accelerate.utils import DistributedType
+
+    if sharding == "fsdp2":
+        config.update(
+            fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
+        )
+    else:  # DeepSpeed's CPU accelerator (gloo); ZeRO-3 gathers for generation unless the spec's config says not to
+        stage = int(sharding[-1])
+        config.update(use_cpu=False, deepspeed={
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "bf16": {"enabled": False},
+            "zero_optimization": {
+                "stage": stage, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True,
+            },
+        })  # fmt: skip
+    build = transformers.trainer.Accelerator
+
+    def accelerator(**kwargs):
+        built = build(**kwargs)
+        states = (accelerate.state.PartialState._shared_state, accelerate.state.AcceleratorState._shared_state)
+        for state in states:
+            if sharding == "fsdp2":
+                state.update(distributed_type=DistributedType.FSDP, fsdp_plugin=kwargs["fsdp_plugin"])
+            else:
+                rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+                state.update(backend="gloo", num_processes=world, process_index=rank, local_process_index=rank)
+        return built
+
+    transformers.trainer.Accelerator = accelerator
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     torch.set_num_threads(1)
@@ -76,6 +115,10 @@ def main(spec_path: str) -> None:
         save_strategy="no", seed=0, disable_tqdm=True, ddp_timeout=180,
     )  # fmt: skip
     config.update(spec.get("config", {}))
+    if spec.get("max_completion_length_by_rank"):
+        config["max_completion_length"] = spec["max_completion_length_by_rank"][rank]
+    if spec.get("sharding"):
+        sharded_at_the_seam(spec["sharding"], config)
     if not tlt:
         config = {k: v for k, v in config.items() if k in GRPOConfig.__dataclass_fields__}
     seen = []
@@ -114,21 +157,37 @@ def main(spec_path: str) -> None:
     drafter = getattr(trainer, "tlt_drafter", None)
     drafter_model = getattr(drafter, "model", None)
     policy = trainer.accelerator.unwrap_model(trainer.model)
+    # every rank joins the gather of a sharded policy (rank 0's holds it whole)
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped) if spec.get("sharding") else policy.state_dict()
     report = {
         "rank": rank,
         "world_size": trainer.accelerator.num_processes,
         "global_step": trainer.state.global_step,
         "completions": seen,
-        "policy_sha256": digest(p for _, p in sorted(policy.state_dict().items())),
+        "policy_sha256": digest(p for _, p in sorted(state.items())) if state else None,
         "drafter_sha256": None if drafter_model is None else digest(drafter_model.parameters()),
         "draft_vocab_size": getattr(getattr(drafter_model, "config", None), "draft_vocab_size", None),
         "drafter_steps": None if getattr(trainer, "tlt_spot", None) is None else trainer.tlt_spot.total_steps,
         "tool_calls": [h.get("tools/call_frequency") for h in trainer.state.log_history if "loss" in h],
         "accepted": None if getattr(trainer, "tlt_last_stats", None) is None else trainer.tlt_last_stats.to_dict(),
+        "drafter_rerun_samples": None
+        if getattr(trainer, "tlt_spot", None) is None
+        else trainer.tlt_spot.rerun_samples,
+        "placeholder_shares": [
+            h.get("tlt/placeholder_forward_share", 0.0) for h in trainer.state.log_history if "loss" in h
+        ],
     }
     with open(os.path.join(spec["output_dir"], f"{spec['tag']}-rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    policy.save_pretrained(os.path.join(spec["output_dir"], f"{spec['tag']}-rank{rank}-policy"))
+    folder = os.path.join(spec["output_dir"], f"{spec['tag']}-rank{rank}-policy")
+    if spec.get("sharding"):
+        if state:
+            from safetensors.torch import save_file
+
+            os.makedirs(folder, exist_ok=True)
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, f"{folder}/model.safetensors")
+    else:
+        policy.save_pretrained(folder)
 
 
 if __name__ == "__main__":

@@ -57,13 +57,13 @@ def test_a_zero_uniform_never_accepts_an_impossible_tree_node(monkeypatch):
 
 
 def test_a_fault_at_a_later_position_cuts_the_draft_there():
-    """Mutation caught: `_checked_draft` dropping a row's whole draft for a fault at a later position. A user drafter
+    """Mutation caught: `checked_draft` dropping a row's whole draft for a fault at a later position. A user drafter
     whose q at position 2 breaks whenever d_1 = 3: rows dropped whole are a biased selection of their first tokens
     (the first token then reads about .04/.28/.35/.33 against p = .1/.2/.3/.4); cut at position 2, d_1 is verified
     on every row and the first token is distributed as p."""
     from scipy.stats import chisquare
 
-    from trl_tlt.engine.generate import _checked_draft
+    from trl_tlt.engine.draft import checked_draft
 
     rows, vocab = 40_000, 4
     g = torch.Generator().manual_seed(0)
@@ -72,7 +72,7 @@ def test_a_fault_at_a_later_position_cuts_the_draft_there():
     draft_ids = torch.multinomial(q, 2 * rows, replacement=True, generator=g).view(rows, 2)
     probs = q.expand(rows, 2, vocab).clone()
     probs[draft_ids[:, 0] == 3, 1] = float("nan")  # the fault at position 2 depends on d_1
-    checked = _checked_draft(Draft(draft_ids, torch.full((rows,), 2), probs), vocab)
+    checked = checked_draft(Draft(draft_ids, torch.full((rows,), 2), probs), vocab)
     ids, q_safe, num_drafts = checked[0], checked[1], checked[3]
     logp = p.log().expand(rows, 3, vocab)
     uniforms = (

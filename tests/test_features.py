@@ -221,3 +221,28 @@ def test_train_drafter_stops_at_its_budgets_and_records_acceptance(policy):
     assert len(calls) == len(history) and history[-1]["acceptance"] == 1.5
     timed = train_drafter(policy, head, samples, epochs=1000, progress=False, max_seconds=0.5)
     assert 3 <= len(timed) < 1000 and timed[-2]["seconds"] < 0.5  # the budget in steps, from the first steps' cost
+
+
+def test_recording_stops_at_the_budget(policy):
+    """`record_max_bytes`: the recorder never holds more (mutation caught: the cap applied after the whole rollout was
+    recorded, at about twice the cap); rows finished before it stopped keep their whole features, the others get none,
+    and nothing sampled changes."""
+    engine = SpeculativeEngine(policy)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(4)] for _ in range(6)]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, do_sample=True, eos_token_ids=tuple(range(8, 48)))
+
+    def run(max_bytes):
+        generator = torch.Generator().manual_seed(3)
+        return engine.generate(prompts, params, generator=generator, record_layers=[1, 4], record_max_bytes=max_bytes)
+
+    whole = run(None)
+    total = sum(f.nbytes for f in whole.features)
+    lengths = sorted(len(c) for c in whole.completion_ids)
+    assert lengths[0] < lengths[-1]  # rows end at different steps
+    capped = run(total // 2)
+    assert capped.completion_ids == whole.completion_ids
+    kept = [f for f in capped.features if f is not None]
+    assert 0 < len(kept) < len(prompts) and sum(f.nbytes for f in kept) <= total // 2
+    for got, expected in zip(capped.features, whole.features, strict=True):
+        assert got is None or torch.equal(got, expected)

@@ -14,6 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl_tlt.drafters.draft_vocab import DraftVocabulary
 from trl_tlt.drafters.eagle3 import Eagle3Model
 from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer
+from trl_tlt.training.distillation import PolicyView
 from trl_tlt.training.spot import HELD_OUT_EVERY, DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
 
 
@@ -328,3 +329,80 @@ def test_cold_start_schedule():
     head = Eagle3Model.for_policy(build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=3))
     spot = SpotTrainer(head, DataBuffer(), schedule=cold)
     assert spot.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)
+
+
+def _one_rank_refuses(rank, init_file, results, policy_state, sharded):
+    """Rank 1 went through GRPOTrainer's generation this rollout (`refuse=True`); rank 0 trains while it waits. With
+    `sharded`, rank 0 trains on a `PolicyView` (the LM head copied, no policy to run) and rank 1 has none (None)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    tokenizer = build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120)
+    policy = build_tiny_model(tokenizer, arch="qwen2", hidden_size=64, num_hidden_layers=3, num_attention_heads=2)
+    policy.load_state_dict(policy_state)
+    buffer = DataBuffer(window=2)
+    prompts, completions = rollout(16, 20, offset=rank)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    spot = SpotTrainer(Eagle3Model.for_policy(policy), buffer, tokens_per_step=128, group=group)
+    start = torch.cat([p.detach().reshape(-1) for p in spot.params]).clone()
+    view = policy
+    if sharded:  # features recorded for half the rows (as a rollout records them); the others can only be dropped
+        layers = spot.feature_layers(policy)
+        features = []
+        for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+            states = policy(torch.tensor([prompt + completion]), output_hidden_states=True).hidden_states
+            features.append(torch.stack([states[j][0, :-1] for j in layers], dim=1).detach() if i % 2 == 0 else None)
+        buffer.add(prompts, completions, features, version=0)
+        head = policy.get_output_embeddings().weight.detach().clone()
+        view = PolicyView(head, policy.config) if rank == 0 else None
+    else:
+        buffer.add(prompts, completions)
+    if rank == 1:
+        time.sleep(1.5)
+    stats = spot.run_while_idle(view, refuse=(rank == 1 and not sharded))
+    results[rank] = {
+        "refused": stats.refused,
+        "steps": stats.steps,
+        "dropped": spot.dropped_samples,
+        "rerun": spot.rerun_samples,
+        "start": start,
+        "flat": torch.cat([p.detach().reshape(-1) for p in spot.params]),
+    }
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_decision_one_rank_takes_reaches_every_rank_at_the_idle_barrier(tmp_path, policy, sharded):
+    """Refusal: rank 1's rollout went through GRPOTrainer's generation; both ranks learn it at the idle barrier and end
+    the phase alike, each drafter back to the last merged one (rank 0 had trained while waiting). Mutation caught: the
+    refusal taken by rank 1 alone (it left spot training; rank 0 waited at the barrier until the group's timeout).
+    Sharded: rank 0 trains on recorded features only, never running the policy (feature-less samples dropped); rank 1
+    has no LM head copy, so the merge runs and the draft vocabulary waits."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(
+            _one_rank_refuses, args=(str(tmp_path / "init"), results, policy.state_dict(), sharded), nprocs=2,
+            join=True, start_method="spawn",
+        )  # fmt: skip
+        first, second = results[0], results[1]
+    assert first["refused"] == second["refused"] == (not sharded)
+    assert first["steps"] > 0 and second["steps"] == 0
+    if sharded:  # merged: the same drafter, trained
+        assert torch.equal(first["flat"], second["flat"]) and not torch.equal(first["flat"], first["start"])
+        assert first["dropped"] > 0 and first["rerun"] == 0  # the policy never ran
+    else:  # back to the drafter both held at the start
+        assert torch.equal(first["flat"], first["start"]) and torch.equal(second["flat"], second["start"])
+
+
+def test_the_buffer_cap_holds_out_rows_inside_it_and_drops_them_too():
+    """A cap of 16 rows' features, 64 rows offered (8 held out): the held-out rows count and go down to their share.
+    Mutation caught: only training rows dropped (all of them went, and the 8 held-out rows alone passed the cap, as
+    the buffer held 421,888 bytes against a cap of 210,944 with no training row left)."""
+    row = torch.zeros(20, 2, 16)  # one row's features: (positions, layers, H)
+    cap = 16 * row.nbytes
+    buffer = DataBuffer(window=2, max_feature_bytes=cap)
+    for step in range(2):
+        prompts, completions = rollout(64, 18)
+        buffer.add(prompts, completions, [row.clone() for _ in range(64)], version=step)
+        assert buffer.feature_bytes <= cap
+        assert len(buffer.samples) >= 12 and 1 <= len(buffer.held_out) <= 2

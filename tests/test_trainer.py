@@ -6,7 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 from testing_utils import PROMPTS, config_kwargs, drafter_args, fake_hub, reward_digits, reward_len, train_one_step
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
 from transformers.generation.utils import GenerationMixin
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
@@ -41,8 +41,14 @@ def test_private_hooks_we_override_still_exist():
     assert params == ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"]
     assert hasattr(GRPOTrainer, "_generate_and_score_completions")
     assert list(inspect.signature(GRPOTrainer._save_checkpoint).parameters) == ["self", "model", "trial"]
-    params = list(inspect.signature(GRPOTrainer._load_from_checkpoint).parameters)
-    assert params == ["self", "resume_from_checkpoint", "model"]
+    # resume: the rollout state is restored where every backend's resume passes once the policy is loaded (DeepSpeed's
+    # goes through `deepspeed_load_checkpoint`, never `_load_from_checkpoint`)
+    assert list(inspect.signature(GRPOTrainer._load_optimizer_and_scheduler).parameters) == ["self", "checkpoint"]
+    loop_src = inspect.getsource(Trainer._prepare_for_training)
+    branches = loop_src[loop_src.index("if self.is_deepspeed_enabled:\n                deepspeed_load_checkpoint") :]
+    assert (
+        "\n            self._load_optimizer_and_scheduler(resume_from_checkpoint)" in branches.split("\n        #")[0]
+    )
     trainer_src = inspect.getsource(GRPOTrainer.__init__)
     # TLTGRPOTrainer swaps the module-level VLLMGeneration that __init__ calls (keyword arguments only) for its own
     assert "self.vllm_generation = VLLMGeneration(\n" in trainer_src and grpo_trainer.VLLMGeneration is VLLMGeneration
@@ -301,7 +307,7 @@ def test_drafter_saved_with_checkpoints_and_restored_on_resume(tiny_model_dirs, 
     )
     with torch.no_grad():
         resumed.tlt_drafter.model.fc.weight.zero_()
-    resumed._load_from_checkpoint(str(checkpoint))
+    resumed.tlt.load(checkpoint, 0, resumed.model)
     assert resumed.tlt_hybrid.history.state_dict() == history
     resumed.train(resume_from_checkpoint=str(checkpoint))
     for name, tensor in resumed.tlt_drafter.model.export_state_dict().items():
@@ -384,7 +390,7 @@ def test_a_lora_drafter_trains_its_adapters_and_resumes(tiny_model_dirs, tmp_pat
         args=TLTConfig(**config_kwargs(tmp_path / "resumed", **extra)),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
     )
-    resumed._load_from_checkpoint(str(tmp_path / "checkpoint-1"))
+    resumed.tlt.load(tmp_path / "checkpoint-1", 0, resumed.model)
     for name, param in resumed.tlt_drafter.model.named_parameters():
         if name in trained:
             assert torch.equal(param, trained[name]), name

@@ -96,3 +96,31 @@ def test_the_repetition_penalty_is_applied_as_vllm_applies_it():
     assert not sample_moments(logits, tokens, mask, params, seen).faulty
     plain = sample_inverse_cdf(torch.softmax(logits, -1).reshape(-1, vocab), torch.rand(batch * length, generator=g))
     assert sample_moments(logits, plain.view(batch, length), mask, params, seen).faulty
+
+
+def test_vllms_sampling_logprobs_reach_the_off_policy_mask_as_in_grpo_trainer(monkeypatch):
+    """With vLLM and the importance-sampling correction off, GRPOTrainer's off-policy mask (`off_policy_mask_threshold`)
+    reads vLLM's sampling logprobs: TLTGRPOTrainer hands them on once the check passed. Mutation caught: they were
+    dropped there (the mask then read the trainer's own logprobs and never triggered on a sampler's drift)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    from trl_tlt import TLTGRPOTrainer
+    from trl_tlt.vllm.check import SampleMoments
+
+    logps = torch.tensor([[-0.5, -1.0]])
+    monkeypatch.setattr(
+        GRPOTrainer, "_generate_and_score_completions", lambda self, inputs: {"sampling_per_token_logps": logps}
+    )
+    trainer = object.__new__(TLTGRPOTrainer)
+    trainer.tlt = SimpleNamespace()
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, False
+    trainer.args = SimpleNamespace(drafter_type="eagle3", vllm_mode="colocate")
+    trainer.model = SimpleNamespace(training=True)
+    trainer.state = SimpleNamespace(num_input_tokens_seen=0)
+    trainer._metrics = {"train": defaultdict(list)}
+    trainer._check_vllm_samples = lambda output: SampleMoments(tokens=2.0, deviation=0.1, variance=1.0)
+    output = trainer._generate_and_score_completions([{"prompt": "p"}])
+    assert output["sampling_per_token_logps"] is logps

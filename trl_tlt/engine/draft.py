@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling import SamplingParams
+from .sharding import PolicyWeights
 
 
 # Where a drafted token came from: the drafter's model (sampled from its q), the row's own text and its GRPO siblings
@@ -35,6 +36,9 @@ class DraftContext:
         prompt_lengths: Prompt length of every original row (its first tokens in `sequences`; empty: unknown).
         hidden_states: The policy's hidden states from its last forward, indexed by layer id (`Drafter.hidden_layers`;
             for EAGLE drafters).
+        policy_weights: Whole copies of the policy's embedding and LM head, for a sharded policy (`PolicyWeights`):
+            what a drafter reads instead of the policy's modules, whose weights are shards between forwards. None: the
+            policy is whole; read its modules.
     """
 
     sequences: list[list[int]]
@@ -44,6 +48,7 @@ class DraftContext:
     generator: torch.Generator | None = None
     prompt_lengths: list[int] = field(default_factory=list)
     hidden_states: tuple[torch.Tensor, ...] | dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    policy_weights: PolicyWeights | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -89,3 +94,47 @@ class Drafter:
 
     def select(self, rows: torch.Tensor) -> None:
         """Only `rows` (indices into the current batch) stay active."""
+
+
+def checked_draft(
+    draft, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """A drafter fault must never reach verification: each row's draft is cut at its first invalid position, a token
+    outside the vocabulary or a source `DRAFT_SOURCES` does not name, or a sampled draft whose q is not a distribution
+    with mass on it (NaN, infinite, negative, zero; missing past q's length). The drafts before it are verified as
+    usual; a row cut at 0 drafts nothing this step (it emits one token sampled from the policy, exactly).
+
+    Cutting, never dropping the whole row: whether d_1..d_j are verified may then depend on d_1..d_{j+1} (a draft
+    length chosen as the draft goes: lossless), never on a later position's fault, which may itself depend on d_j (a
+    user drafter whose q at j + 1 breaks after some d_j): rows dropped whole for it would be a biased selection of
+    their first tokens. Exact for a drafter whose tokens are samples of the q it reports; one that drafts a token
+    outside the vocabulary or of probability 0 under its own q is not sampling from it, and no check can make its
+    drafts exact (they are cut; only their speed is lost when such faults do not depend on the token drawn). Returns token ids, q and sources made safe, the drafts kept per row (B,) and the rows cut
+    (B,)."""
+    ids = draft.token_ids  # (B, L)
+    width = ids.size(1)
+    position = torch.arange(width, device=ids.device)[None, :]
+    used = position < draft.num_tokens[:, None]  # (B, L)
+    ok = (ids >= 0) & (ids < vocab)
+    source, sampled = draft.source, used
+    if source is not None:
+        ok &= (source >= 0) & (source < len(DRAFT_SOURCES))
+        sampled = used & (source == DRAFT_SOURCES.index("learned"))
+    probs = draft.probs
+    if probs is not None:  # (B, k, V)
+        k = min(probs.size(1), width)
+        finite = torch.isfinite(probs[:, :k]).all(dim=-1) & (probs[:, :k] >= 0).all(dim=-1)  # (B, k)
+        mass = probs[:, :k].gather(-1, ids[:, :k, None].clamp(0, probs.size(-1) - 1)).squeeze(-1) > 0
+        has_q = torch.zeros_like(ok)
+        has_q[:, :k] = finite & mass
+        ok &= has_q | ~sampled  # a sampled draft past q's length has no q
+    bad = used & ~ok
+    cut = bad.any(dim=1)
+    num_tokens = torch.where(cut, bad.int().argmax(dim=1), draft.num_tokens)  # (B,) drafts before the first fault
+    kept = position < num_tokens[:, None]
+    ids = torch.where(kept, ids, 0)
+    if probs is not None:
+        probs = torch.where(kept[:, : probs.size(1), None], probs, 0.0)
+    if source is not None:
+        source = torch.where(kept, source, 0)
+    return ids, probs, source, num_tokens, cut

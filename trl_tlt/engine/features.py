@@ -20,33 +20,58 @@ class FeatureRecorder:
         layers: Layer ids (`LayerTap`'s: id i < L the input of decoder layer i, id L the final norm's output).
         num_rows: Rows of the call.
         device: Where the recorded states are kept (host memory by default, whatever the policy's device).
+        max_bytes: What the recorded states may hold at most (None: no bound). Recording stops before a forward's
+            states would pass it: rows finished by then keep their features, the others get none (drafter training
+            runs the policy over them, or drops them), so the recorder never holds more than `max_bytes`.
 
     A row's positions are recorded in order: its prompt's at prefill, then at each decode step the positions the cache
-    keeps (the last token and the accepted drafts). After generation `rows(lengths)` returns (n_i, len(layers), H) per
-    row: position t's states, for t < n_i (a row of prompt + completion N tokens has N - 1 forwarded positions).
+    keeps (the last token and the accepted drafts), each row's in storage of its own. After generation `rows(lengths)`
+    returns (n_i, len(layers), H) per row: position t's states, for t < n_i (a row of prompt + completion N tokens has
+    N - 1 forwarded positions), or None for a row whose recording stopped.
     """
 
-    def __init__(self, layers: Sequence[int], num_rows: int, device: str | torch.device = "cpu"):
+    def __init__(
+        self, layers: Sequence[int], num_rows: int, device: str | torch.device = "cpu", max_bytes: int | None = None
+    ):
         self.layers, self.num_rows, self.device = tuple(layers), num_rows, torch.device(device)
-        self._states: list[torch.Tensor] = []
-        self._owners: list[torch.Tensor] = []
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.stopped = False  # `max_bytes` was reached: nothing more is recorded
+        self._pieces: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
+        self._complete: set[int] = set()  # rows finished before recording stopped
 
     def record(self, hidden_states, row_ids: torch.Tensor, kept: torch.Tensor) -> None:
-        """One forward's states (`hidden_states[layer]`: (B, n, H)) at the positions `kept` (B, n) of rows `row_ids`:
-        each layer's kept positions go to `device` on their own (no stacked copy of the whole forward on the
-        policy's device)."""
+        """One forward's states (`hidden_states[layer]`: (B, n, H)) at the positions `kept` (B, n) of rows `row_ids`,
+        each row's moved to `device` on its own (no copy of the whole forward stays alive)."""
+        if self.stopped:
+            return
         width = kept.size(1)
-        layers = [hidden_states[i][:, :width][kept].to(self.device) for i in self.layers]
-        self._states.append(torch.stack(layers, dim=1))  # (kept positions, m, H)
-        self._owners.append(row_ids[:, None].expand_as(kept)[kept].to(self.device))
+        states = torch.stack([hidden_states[i][:, :width] for i in self.layers], dim=2)  # (B, n, m, H)
+        counts = kept.sum(dim=1).tolist()
+        size = sum(counts) * states[0, 0].numel() * states.element_size()
+        if self.max_bytes is not None and self.num_bytes + size > self.max_bytes:
+            self.stopped = True
+            return
+        self.num_bytes += size
+        for row, states_row, kept_row, count in zip(row_ids.tolist(), states, kept, counts, strict=True):
+            if count:
+                self._pieces[row].append(states_row[kept_row].to(self.device, copy=True))
 
-    def rows(self, lengths: Sequence[int]) -> list[torch.Tensor]:
-        """Each row's first `lengths[i]` recorded positions, (lengths[i], len(layers), H), each in storage of its own
-        (a row kept alone keeps nothing else alive). The recorder is emptied."""
-        states, owners = torch.cat(self._states), torch.cat(self._owners)
-        self._states, self._owners = [], []
+    def finished(self, row_ids: torch.Tensor) -> None:
+        """These rows emitted their last token: what they recorded so far is their whole sequence."""
+        if not self.stopped:
+            self._complete.update(row_ids.tolist())
+
+    def rows(self, lengths: Sequence[int]) -> list[torch.Tensor | None]:
+        """Each row's first `lengths[i]` recorded positions, (lengths[i], len(layers), H), in storage of its own (one
+        row's pieces joined at a time); None for a row whose recording stopped before it finished. Empties it."""
         rows = []
         for row, n in enumerate(lengths):
-            positions = (owners == row).nonzero().squeeze(1)[:n]  # recorded in order
-            rows.append(states.index_select(0, positions))
+            pieces, self._pieces[row] = self._pieces[row], []
+            if not pieces or (self.stopped and row not in self._complete):
+                rows.append(None)
+                continue
+            states = torch.cat(pieces)
+            rows.append(states if len(states) == n else states[:n].clone())  # drafts kept past an EOS: cut off
+        self.num_bytes = 0
         return rows

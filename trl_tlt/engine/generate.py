@@ -11,11 +11,13 @@ One decode step, for the B active rows:
     n, x   = verify_drafts(processed(logits), drafts, q) # accept a prefix, emit a corrected/bonus token
     cache keeps last_token, d_1..d_n;  rows emit d_1..d_n, x;  finished rows leave the batch
 
-Rows that end (EOS or budget) are dropped at once, so the long tail runs at its real batch size.
+Rows that end (EOS or budget) are dropped at once, so the long tail runs at its real batch size. A policy sharded
+across processes (FSDP, ZeRO-3) keeps the ranks in lockstep as `generate(synced_gpus=True)` does (`sharding.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -23,11 +25,12 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .draft import DRAFT_SOURCES, DraftContext, Drafter
+from .draft import DRAFT_SOURCES, DraftContext, Drafter, checked_draft
 from .features import FeatureRecorder
 from .kv_cache import RaggedKVModel
 from .rejection_sampler import verify_drafts
 from .sampling import SamplingParams, process_logits, upcast_logits
+from .sharding import Lockstep, PolicyWeights, copying_policy_weights, needs_lockstep, policy_is_sharded
 from .speculation import (
     Arm,
     FixedSpeculation,
@@ -44,12 +47,14 @@ logger = logging.get_logger(__name__)
 @dataclass
 class GenerationOutput:
     """`features`: with `generate(record_layers=...)`, per row the policy's hidden states at those layers for each
-    forwarded position, (len(prompt) + len(completion) - 1, len(record_layers), H) in host memory; else None."""
+    forwarded position, (len(prompt) + len(completion) - 1, len(record_layers), H) in host memory; else None.
+    `policy_weights`: the whole copies of the policy's embedding and LM head taken for a sharded policy; else None."""
 
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     stats: GenerationStats
     features: list[torch.Tensor] | None = None
+    policy_weights: PolicyWeights | None = None
 
 
 @dataclass
@@ -164,23 +169,37 @@ class SpeculativeEngine:
         group_ids: list[int] | None = None,
         padded_width: int | None = None,
         record_layers: list[int] | None = None,
+        record_max_bytes: int | None = None,
+        synced: bool | None = None,
+        copy_policy_weights: bool | None = None,
     ) -> GenerationOutput:
         """Complete every prompt. Returns completion ids, their processed logprobs and `GenerationStats`.
 
         `padded_width`: sample as `generate` does on these prompts left-padded to this width with `pad_token_id`
         (GRPOTrainer's batch): under the repetition penalty a shorter row has seen the pad token. None: unpadded.
         `record_layers`: also return the policy's hidden states at these layers (`LayerTap` ids) for every position
-        its forwards computed (`GenerationOutput.features`, what drafter training reads). Nothing sampled changes.
+        its forwards computed (`GenerationOutput.features`, what drafter training reads), at most `record_max_bytes`
+        of them (`FeatureRecorder`). Nothing sampled changes.
+        `synced`: keep every process of the default group forwarding until all are done, as `generate`'s
+        `synced_gpus` (None: when the policy is sharded across processes, `needs_lockstep`). `copy_policy_weights`:
+        copy the policy's embedding and LM head whole during the prefill, for the drafters and the output
+        (`PolicyWeights`; None: when the policy is sharded, `policy_is_sharded`).
         """
         self._check_prompts(prompts, params)
         start = time.perf_counter()
         device = self.model.device
         batch = len(prompts)
         policy = self._policy_runner(record_layers)
-        recorder = FeatureRecorder(record_layers, batch) if record_layers else None
+        recorder = FeatureRecorder(record_layers, batch, max_bytes=record_max_bytes) if record_layers else None
+        synced = needs_lockstep(self.model) if synced is None else synced
+        lockstep = Lockstep(self.model, self.pad_token_id) if synced else None
+        if copy_policy_weights is None:
+            copy_policy_weights = policy_is_sharded(self.model)
 
-        # Prefill and the first token (a verification with no drafts).
-        last_logits = policy.prefill(prompts, self.pad_token_id)[:, None]  # (B, 1, V)
+        # Prefill, then the first token.
+        with copying_policy_weights(self.model) if copy_policy_weights else contextlib.nullcontext() as copies:
+            last_logits = policy.prefill(prompts, self.pad_token_id)[:, None]  # (B, 1, V)
+        weights = PolicyWeights(**copies) if copy_policy_weights else None
         if recorder is not None:
             recorder.record(policy.hidden_states, torch.arange(batch, device=device), policy.attention_mask)
         run = _Run(
@@ -192,6 +211,7 @@ class SpeculativeEngine:
                 params=params,
                 generator=generator,
                 prompt_lengths=[len(p) for p in prompts],
+                policy_weights=weights,
             ),
             completions=[[] for _ in prompts],
             logprobs=[[] for _ in prompts],
@@ -203,33 +223,58 @@ class SpeculativeEngine:
             stats=GenerationStats(num_prompts=batch),
             recorder=recorder,
         )
+        keep = self._first_token(run, last_logits)
+        run.stats.prefill_s = time.perf_counter() - start
+        # Drafters start lazily, at their first use; those that read the policy's hidden states start now and
+        # see every forward (the states of earlier positions are gone once the next forward runs).
+        for name, drafter in self.drafters.items():
+            if getattr(drafter, "needs_hidden_states", False):
+                self._start_drafter(run, name)
+        self._decode(run, keep, lockstep)
+        features = None
+        if recorder is not None:  # a row's last token was never forwarded
+            features = recorder.rows([len(p) + len(c) - 1 for p, c in zip(prompts, run.completions, strict=True)])
+        run.stats.total_s = time.perf_counter() - start
+        run.stats.lockstep = synced
+        run.stats.num_placeholder_forwards = 0 if lockstep is None else lockstep.placeholder_forwards
+        return GenerationOutput(run.completions, run.logprobs, run.stats, features, weights)
+
+    @staticmethod
+    def _first_token(run: _Run, last_logits: torch.Tensor) -> torch.Tensor:
+        """The token after each prompt, from the prefill's logits (a verification with no drafts); the rows going on."""
+        batch, device, params = last_logits.size(0), last_logits.device, run.ctx.params
         no_drafts = (
             torch.zeros((batch, 0), dtype=torch.long, device=device),
             torch.zeros(batch, dtype=torch.long, device=device),
         )
         seen = None if run.seen is None else run.seen[:, None]
         logp = process_logits(upcast_logits(last_logits), params, seen)
-        _, next_tokens, emitted_lp = verify_drafts(logp, *no_drafts, None, params.do_sample, generator)
+        _, next_tokens, emitted_lp = verify_drafts(logp, *no_drafts, None, params.do_sample, run.ctx.generator)
         _sync(device)
-        run.stats.prefill_s = time.perf_counter() - start
-        keep, num_emitted = self._emit(run, *no_drafts, next_tokens, emitted_lp)
+        keep, num_emitted = SpeculativeEngine._emit(run, *no_drafts, next_tokens, emitted_lp)
         run.stats.num_emitted_tokens += num_emitted
-        # Drafters start lazily, at their first use; those that read the policy's hidden states start now and
-        # see every forward (the states of earlier positions are gone once the next forward runs).
-        for name, drafter in self.drafters.items():
-            if getattr(drafter, "needs_hidden_states", False):
-                self._start_drafter(run, name)
+        return keep
+
+    def _decode(self, run: _Run, keep: torch.Tensor, lockstep: Lockstep | None) -> None:
+        """Decode steps until every row is done; under `lockstep`, until every rank's are (a rank whose rows are done
+        runs placeholder forwards meanwhile: the other ranks' forwards gather the parameters it holds)."""
+        if lockstep is not None:  # generate's first check, which consumes the prefill: the same collectives as it
+            lockstep.any_rank_unfinished(True)
         while True:
             if not keep.all():
+                if run.recorder is not None:
+                    run.recorder.finished(run.ctx.row_ids[~keep])
                 run.select(keep.nonzero().squeeze(1))
-            if run.ctx.row_ids.numel() == 0:
-                break
-            keep = self._decode_step(run)
-        features = None
-        if recorder is not None:  # a row's last token was never forwarded
-            features = recorder.rows([len(p) + len(c) - 1 for p, c in zip(prompts, run.completions, strict=True)])
-        run.stats.total_s = time.perf_counter() - start
-        return GenerationOutput(run.completions, run.logprobs, run.stats, features)
+                keep = keep[keep]
+            unfinished = run.ctx.row_ids.numel() > 0
+            if lockstep is None and not unfinished:
+                return
+            if lockstep is not None and not lockstep.any_rank_unfinished(unfinished):
+                return
+            if unfinished:
+                keep = self._decode_step(run)
+            else:
+                lockstep.placeholder_forward()
 
     def _policy_runner(self, record_layers: list[int] | None) -> RaggedKVModel:
         """The policy's ragged runner, keeping the hidden states of the layers the drafters read (`Drafter.
@@ -318,7 +363,7 @@ class SpeculativeEngine:
             tree.valid &= depths <= (remaining - 1)[:, None]
             return None, None, None, tree.valid.sum(dim=1), valid_rows, (tree, ancestors, depths)
         draft = drafter.propose(ctx, k)
-        draft_ids, draft_probs, source, num_kept, cut = _checked_draft(draft, vocab)
+        draft_ids, draft_probs, source, num_kept, cut = checked_draft(draft, vocab)
         # Never draft past the budget: the step emits num_drafts + 1 tokens at most.
         num_drafts = torch.minimum(num_kept, remaining - 1)
         # Verify only as many positions as the longest draft needs (a drafter may stop short of k).
@@ -408,50 +453,6 @@ class SpeculativeEngine:
             run.logprobs[row].extend(lp_l[i][: counts_l[i]])
             keep.append(not ended[i] and len(run.completions[row]) < limit)
         return torch.tensor(keep, dtype=torch.bool, device=num_accepted.device), sum(counts_l)
-
-
-def _checked_draft(
-    draft, vocab: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """A drafter fault must never reach verification: each row's draft is cut at its first invalid position, a token
-    outside the vocabulary or a source `DRAFT_SOURCES` does not name, or a sampled draft whose q is not a distribution
-    with mass on it (NaN, infinite, negative, zero; missing past q's length). The drafts before it are verified as
-    usual; a row cut at 0 drafts nothing this step (it emits one token sampled from the policy, exactly).
-
-    Cutting, never dropping the whole row: whether d_1..d_j are verified may then depend on d_1..d_{j+1} (a draft
-    length chosen as the draft goes: lossless), never on a later position's fault, which may itself depend on d_j (a
-    user drafter whose q at j + 1 breaks after some d_j): rows dropped whole for it would be a biased selection of
-    their first tokens. Exact for a drafter whose tokens are samples of the q it reports; one that drafts a token
-    outside the vocabulary or of probability 0 under its own q is not sampling from it, and no check can make its
-    drafts exact (they are cut; only their speed is lost when such faults do not depend on the token drawn). Returns token ids, q and sources made safe, the drafts kept per row (B,) and the rows cut
-    (B,)."""
-    ids = draft.token_ids  # (B, L)
-    width = ids.size(1)
-    position = torch.arange(width, device=ids.device)[None, :]
-    used = position < draft.num_tokens[:, None]  # (B, L)
-    ok = (ids >= 0) & (ids < vocab)
-    source, sampled = draft.source, used
-    if source is not None:
-        ok &= (source >= 0) & (source < len(DRAFT_SOURCES))
-        sampled = used & (source == DRAFT_SOURCES.index("learned"))
-    probs = draft.probs
-    if probs is not None:  # (B, k, V)
-        k = min(probs.size(1), width)
-        finite = torch.isfinite(probs[:, :k]).all(dim=-1) & (probs[:, :k] >= 0).all(dim=-1)  # (B, k)
-        mass = probs[:, :k].gather(-1, ids[:, :k, None].clamp(0, probs.size(-1) - 1)).squeeze(-1) > 0
-        has_q = torch.zeros_like(ok)
-        has_q[:, :k] = finite & mass
-        ok &= has_q | ~sampled  # a sampled draft past q's length has no q
-    bad = used & ~ok
-    cut = bad.any(dim=1)
-    num_tokens = torch.where(cut, bad.int().argmax(dim=1), draft.num_tokens)  # (B,) drafts before the first fault
-    kept = position < num_tokens[:, None]
-    ids = torch.where(kept, ids, 0)
-    if probs is not None:
-        probs = torch.where(kept[:, : probs.size(1), None], probs, 0.0)
-    if source is not None:
-        source = torch.where(kept, source, 0)
-    return ids, probs, source, num_tokens, cut
 
 
 def _seen_per_position(seen: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:

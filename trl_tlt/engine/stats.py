@@ -36,6 +36,8 @@ class GenerationStats:
     step_seconds: list[float] = field(default_factory=list)
     num_accepted_tokens_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DRAFT_SOURCES, 0))
     num_draft_tokens_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DRAFT_SOURCES, 0))
+    lockstep: bool = False  # the ranks were kept in lockstep (a sharded policy: `sharding.py`)
+    num_placeholder_forwards: int = 0  # lockstep: forwards this rank ran for the others, its own rows done
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -112,7 +112,7 @@ def checked_tree(tree: DraftTree, vocab: int, max_depth: int) -> tuple[DraftTree
         level = (depths - 1).clamp(0, probs.size(1) - 1)  # (B, N) index into probs
         q_node = probs.gather(1, level[..., None].expand(-1, -1, probs.size(2))).gather(2, ids[..., None]).squeeze(2)
         # The backbone is cut at its first depth whose q is not a distribution with mass on its node (as a chain
-        # draft is: `engine._checked_draft`); the nodes from there on are walked against p alone.
+        # draft is: `draft.checked_draft`); the nodes from there on are walked against p alone.
         level_ok = torch.isfinite(probs).all(dim=2) & (probs >= 0).all(dim=2)  # (B, D)
         level_ok.scatter_reduce_(1, level, (q_node > 0) | ~sampled, reduce="amin")
         first_bad = torch.where(level_ok.all(dim=1), level_ok.size(1), (~level_ok).int().argmax(dim=1))  # (B,)

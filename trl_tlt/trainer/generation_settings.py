@@ -33,12 +33,25 @@ _TRANSFORMERS_GENERATE = GenerationMixin.generate
 
 
 def has_custom_generate(model) -> bool:
-    """True if `model.generate` is not transformers' (overridden by its class, or patched on the instance or class)."""
-    if "generate" in vars(model):
+    """True if `model.generate` is not transformers' (overridden by its class, or patched on the instance or class).
+    The Trainer's own patch under FSDP2 (`register_fsdp_forward_method(model, "generate")`: generate between the root's
+    unshard and reshard) is transformers' generate still: the engine keeps a sharded policy's ranks in lockstep."""
+    patched = vars(model).get("generate")
+    if patched is not None and not _fsdp_forward_method(model, patched):
         return True
     if isinstance(model, PeftModel):  # PEFT's generate wraps the base model's
         return has_custom_generate(model.get_base_model())
     return getattr(type(model), "generate", None) is not _TRANSFORMERS_GENERATE
+
+
+def _fsdp_forward_method(model, method) -> bool:
+    """Whether `method` is FSDP2's wrapper (`register_fsdp_forward_method`) around the class's own method."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = getattr(method, "__wrapped__", None)  # functools.wraps of the bound original
+    return isinstance(model, FSDPModule) and getattr(wrapped, "__func__", None) is getattr(
+        type(model), "generate", None
+    )
 
 
 def generation_config(model, config: GenerationConfig) -> GenerationConfig:

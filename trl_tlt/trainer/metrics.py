@@ -22,6 +22,9 @@ def rollout_metrics(stats: GenerationStats, history: PromptHistory | None) -> di
         "tlt/rollout_tokens_per_second": stats.num_emitted_tokens / max(stats.total_s, 1e-9),
         "tlt/mean_active_batch_size": sum(stats.active_batch_sizes) / steps,
     }
+    if stats.lockstep:  # a sharded policy: the forwards this rank ran for the others, its own rows done
+        forwards = 1 + stats.num_target_forwards + stats.num_placeholder_forwards
+        metrics["tlt/placeholder_forward_share"] = stats.num_placeholder_forwards / forwards
     if stats.num_accepted_tokens:  # which source each accepted draft token came from (shares)
         for source, count in stats.num_accepted_tokens_by_source.items():
             metrics[f"tlt/accepted_from_{source}"] = count / stats.num_accepted_tokens
@@ -52,6 +55,7 @@ def spot_metrics(stats: SpotStats, spot: SpotTrainer) -> dict[str, float]:
         "tlt/spot_seconds": stats.seconds_used if one_process else 0.0,
         "tlt/drafter_resets": summary["resets"],
         "tlt/drafter_rerun_samples": float(spot.rerun_samples),
+        "tlt/drafter_dropped_samples": float(spot.dropped_samples),
     }
     if summary["loss"] is not None:
         metrics["tlt/drafter_loss"] = summary["loss"]

@@ -19,15 +19,20 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from ..drafters import HybridDrafter, PromptHistory
 from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from ..drafters.model import ModelDrafter
 from ..engine import Drafter, FixedSpeculation, GenerationOutput, SamplingParams, SpeculationPolicy, SpeculativeEngine
+from ..engine.sharding import PolicyWeights
 from ..engine.stats import GenerationStats
+from ..training.distillation import PolicyView
 from ..training.spot import SpotStats, SpotTrainer
 from ..vllm.watchdog import DrafterWatchdog
 
+
+logger = logging.get_logger(__name__)
 
 DRAFTER_DIR = "drafter"  # inside every checkpoint folder
 # Each rank's rollout state, in every checkpoint: what a resumed run needs to sample and train as the uninterrupted one
@@ -87,6 +92,8 @@ class RolloutStack:
     fallback_reason: str | None = None
     spot_requested: bool = False
     engine_checked: bool = False  # the engine's cache was checked on the real policy (at the first rollout)
+    spot_refused: bool = False  # several processes: a turn of this rollout went through GRPOTrainer's generation
+    policy_weights: PolicyWeights | None = None  # a sharded policy's embedding and LM head, copied by the last turn
     turns: list[RolloutTurn] | None = None  # the current rollout's generation turns (None: none open)
     rollout_speculated: bool = False  # whether vLLM may have speculated in the latest rollout (the check's cue)
     last_stats: GenerationStats | None = None  # of the engine's latest turn
@@ -108,11 +115,23 @@ class RolloutStack:
         return drafter_model(self.drafter)
 
     def refuse_spot_training_without_engine(self) -> None:
-        """The engine cannot run this policy: spot training asked for by name is an error; chosen by default, off."""
+        """A turn went through GRPOTrainer's generation: spot training asked for by name is an error; chosen by
+        default, off. With several processes, decided at the rollout's end by every rank alike (`train_drafter`): one
+        rank alone leaving spot training would leave the others waiting for it at the idle barrier."""
+        if self.spot is None:
+            return
+        if self.spot.group is not None:
+            self.spot_refused = True
+            return
+        self._stop_spot_training()
+
+    def _stop_spot_training(self) -> None:
         if self.spot_requested:
+            reason = self.fallback_reason or "a turn went through GRPOTrainer's generation"
             raise ValueError(
-                f"spot_training=True trains the drafter of trl-tlt's engine, which cannot run this policy: "
-                f"{self.fallback_reason}. Set spot_training=False (rollouts then use GRPOTrainer's generation)."
+                "spot_training=True trains the drafter of trl-tlt's engine, which did not generate this rollout (on "
+                f"this or another rank): {reason}. Set spot_training=False (such rollouts then use GRPOTrainer's "
+                "generation)."
             )
         self.spot = None
 
@@ -142,18 +161,28 @@ class RolloutStack:
 
     def generate(
         self, policy: PreTrainedModel, prompt_ids: list[list[int]], params: SamplingParams, pad_token_id: int,
-        padded_width: int, training: bool = True,
+        padded_width: int, training: bool = True, version: int | None = None, sharded: bool = False,
     ) -> GenerationOutput:  # fmt: skip
         """One generation turn through trl-tlt's engine, recorded for the end of the rollout (in `training`, with the
         hidden states spot training will read, which the engine keeps as it goes: drafter training never runs the
-        policy again)."""
+        policy again), within what the buffer's memory cap leaves once the features older than policy `version` are
+        dropped. `sharded`: the trainer's policy is sharded across processes (its whole embedding and LM head are
+        copied during the turn, `policy_weights`, even where the context gathered it for generation)."""
         drafter, speculation = self.rollout_drafter()
         engine = SpeculativeEngine(policy, drafter=drafter, speculation=speculation, pad_token_id=pad_token_id)
         record = training and self.spot is not None and self.turns is not None and self.spot.wants_features
-        layers = self.spot.feature_layers(policy) if record else None
+        layers, budget = None, None
+        if record:
+            layers = self.spot.feature_layers(policy)
+            self.spot.buffer.drop_stale(version)
+            recorded = sum(f.nbytes for turn in self.turns for f in turn.features or () if f is not None)
+            budget = max(self.spot.buffer.max_feature_bytes - self.spot.buffer.feature_bytes - recorded, 0)
         out = engine.generate(
-            prompt_ids, params, generator=self.generator, padded_width=padded_width, record_layers=layers
-        )
+            prompt_ids, params, generator=self.generator, padded_width=padded_width, record_layers=layers,
+            record_max_bytes=budget, copy_policy_weights=True if sharded else None,
+        )  # fmt: skip
+        if out.policy_weights is not None:
+            self.policy_weights = out.policy_weights
         # Copies: GRPOTrainer's tool loop replaces the returned completions in place with completion + tool result +
         # the next turn, tokens the policy did not sample.
         prompts, completions = [list(p) for p in prompt_ids], [list(c) for c in out.completion_ids]
@@ -165,30 +194,40 @@ class RolloutStack:
         if self.turns is not None:
             self.turns.append(turn)
 
-    def end_rollout(
-        self, policy: PreTrainedModel | None, turns: list[RolloutTurn], version: int | None = None
-    ) -> SpotStats | None:
-        """Once per rollout, training only, on every rank: the turns into the prompt history, then spot training on
-        them (`policy`: the policy unwrapped for generation, after `version` optimizer steps; None: no drafter
-        training this rollout)."""
-        prompts = [p for turn in turns for p in turn.prompt_ids]
-        completions = [list(c) for turn in turns for c in turn.completion_ids]
+    def remember(self, turns: list[RolloutTurn]) -> None:
+        """The rollout's turns into the prompt history (the hybrid drafter's lookups), once per rollout, training only."""
         if self.history is not None:
-            self.history.add(prompts, completions)
-        if self.spot is None or policy is None:
-            return None
+            prompts = [p for turn in turns for p in turn.prompt_ids]
+            self.history.add(prompts, [list(c) for turn in turns for c in turn.completion_ids])
+
+    def train_drafter(
+        self, policy: PreTrainedModel | PolicyView | None, turns: list[RolloutTurn], version: int | None = None
+    ) -> SpotStats | None:
+        """Spot training on the rollout's turns, once per rollout, training only, on every rank. `policy`: the policy
+        unwrapped for generation, after `version` optimizer steps, or the view of a sharded one (its LM head copied by
+        the rollout; never run), None where this rank has none yet. Returns None if spot training stopped here."""
+        spot = self.spot
+        prompts = [p for turn in turns for p in turn.prompt_ids]
         if prompts:  # a rollout with no turn of ours (a rollout_func's own generation) still joins the others
+            completions = [list(c) for turn in turns for c in turn.completion_ids]
             features = [f for turn in turns for f in (turn.features or [None] * len(turn.prompt_ids))]
-            self.spot.observe_rollout(prompts, completions, features, version)
+            spot.observe_rollout(prompts, completions, features, version)
             for turn in turns:  # the buffer holds them now, within its memory cap
                 if turn.features:
                     turn.features.clear()
         else:  # nothing new: what the buffer holds of an older policy goes all the same
-            self.spot.buffer.drop_stale(version)
-        if self.spot.group is None:  # one process: within the time budget, which the rollout's seconds set
-            self.last_spot = self.spot.run_between_rollouts(policy, sum(turn.seconds for turn in turns))
-        else:  # several: while the other ranks still generate, then the merge
-            self.last_spot = self.spot.run_while_idle(policy)
+            spot.buffer.drop_stale(version)
+        if spot.group is None:  # one process: within the time budget, which the rollout's seconds set
+            if policy is None:  # a sharded policy no rollout copied yet: nothing to train with
+                return None
+            self.last_spot = spot.run_between_rollouts(policy, sum(turn.seconds for turn in turns))
+            return self.last_spot
+        # several: while the other ranks still generate, then the merge
+        refused, self.spot_refused = self.spot_refused, False
+        self.last_spot = spot.run_while_idle(policy, refuse=refused)
+        if self.last_spot.refused:  # every rank learned it at the idle barrier: every rank stops alike
+            self._stop_spot_training()
+            return None
         return self.last_spot
 
     # --------------------------------------------------------------------------------- save and resume
@@ -205,9 +244,12 @@ class RolloutStack:
             state["spot"] = self.spot.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, streams: bool = True) -> None:
+        """`streams=False`: keep this rank's own random streams (its sampling generator, its draws from the drafter's
+        buffer) as they are."""
         if "generator" in state:
             self.generator.set_state(state["generator"])
+        if "speculation" in state:
             self.speculation.load_state_dict(state["speculation"])
         if "lookup_speculation" in state:
             self.lookup_speculation.load_state_dict(state["lookup_speculation"])
@@ -216,7 +258,7 @@ class RolloutStack:
         if self.history is not None and "history" in state:
             self.history.load_state_dict(state["history"])
         if self.spot is not None and "spot" in state:
-            self.spot.load_state_dict(state["spot"])
+            self.spot.load_state_dict(state["spot"], stream=streams)
 
     def save(self, folder: Path, rank: int, write_drafter: bool) -> None:
         """Into a checkpoint folder: this rank's rollout state (written, then renamed) and, where `write_drafter`
@@ -265,11 +307,27 @@ class RolloutStack:
                 f"{DRAFTER_DIR}/ and cannot be resumed with it. The previous checkpoints are intact."
             ) from error
 
-    def load(self, folder: Path, rank: int, policy: PreTrainedModel) -> None:
+    def load(self, folder: Path, rank: int, policy: PreTrainedModel, world_size: int = 1) -> None:
         """From a checkpoint folder: the drafter's weights, in place (the engine's drafter and spot training's
-        optimizer keep referring to the same parameters), then this rank's rollout state."""
+        optimizer keep referring to the same parameters), then this rank's rollout state.
+
+        A checkpoint written by another number of processes: every rank takes the first rank's state (the drafter is
+        the same file for all; spot training's optimizer, schedule, buffer and draft vocabulary, the speculation
+        statistics and the prompt history are rank 0's), each keeping its own sampling streams, seeded afresh. Every
+        rank then holds the same drafter and spot state, as the merge needs; the run continues, not as the
+        uninterrupted one would have (it ran with another number of processes)."""
         self._load_drafter(folder, policy)
+        written = sorted((folder / ROLLOUT_STATE_NAME).parent.glob("rank*.pt"))
         path = folder / ROLLOUT_STATE_NAME.format(rank=rank)
+        if written and len(written) != world_size:
+            logger.warning(
+                f"{folder} was written by {len(written)} process(es); this run has {world_size}. Every rank resumes "
+                "from the first rank's drafter training, speculation and history state, with sampling streams of its "
+                "own: training goes on, not as an uninterrupted run would have."
+            )
+            state = torch.load(folder / ROLLOUT_STATE_NAME.format(rank=0), weights_only=True)
+            self.load_state_dict({key: value for key, value in state.items() if key != "generator"}, streams=False)
+            return
         if path.is_file():
             self.load_state_dict(torch.load(path, weights_only=True))
             return
@@ -293,7 +351,7 @@ class RolloutStack:
         if isinstance(drafter, Eagle3Model):
             saved = Eagle3Model.from_pretrained(path, policy)
             if saved.config.draft_vocab_size != drafter.config.draft_vocab_size:  # fitted to the policy's tokens
-                drafter.resize_draft_vocab(saved.draft_ids, policy.get_output_embeddings().weight)
+                drafter.resize_draft_vocab(saved.draft_ids, None)  # its weights are loaded next
                 if self.spot is not None:
                     self.spot.drafter_resized()
             drafter.load_state_dict(saved.state_dict(), strict=False)

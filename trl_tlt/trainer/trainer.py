@@ -11,6 +11,7 @@ trainer's drafter, pushed live). The completions are distributed exactly as the 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import statistics
@@ -32,6 +33,8 @@ from trl.trainer import grpo_trainer
 from .._swap import swapped
 from ..config import TLTConfig, as_tlt_config
 from ..engine.kv_cache import ragged_cache_mismatch
+from ..engine.sharding import policy_is_sharded
+from ..training.distillation import PolicyView
 from ..training.micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
 from ..vllm.check import SampleMoments, policy_sample_moments, vllm_sampling_params
 from . import export
@@ -43,6 +46,19 @@ from .stack import RolloutStack, RolloutTurn
 
 
 logger = logging.get_logger(__name__)
+
+
+def _parent_without_stack(hook):
+    """A GRPOTrainer hook that runs the parent's where the trainer has no `RolloutStack`: one built without `__init__`
+    (TRL's own dispatch tests make one with `object.__new__` and set a few attributes) is a GRPOTrainer."""
+
+    @functools.wraps(hook)
+    def dispatch(self, *args, **kwargs):
+        if "tlt" not in vars(self):
+            return getattr(super(TLTGRPOTrainer, self), hook.__name__)(*args, **kwargs)
+        return hook(self, *args, **kwargs)
+
+    return dispatch
 
 
 class TLTGRPOTrainer(GRPOTrainer):
@@ -107,6 +123,7 @@ class TLTGRPOTrainer(GRPOTrainer):
     # one generation turn per tool turn, a number that differs from rank to rank. What involves the other ranks (spot
     # training's barrier and merge, the vLLM drafter's watch) or learns from the whole rollout (the prompt history)
     # runs once per rollout, at its end (`_end_rollout`), so that every rank runs the same collectives in the same order.
+    @_parent_without_stack
     def _generate(self, prompts):
         self.tlt.open_rollout()
         try:
@@ -117,11 +134,13 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._end_rollout()  # where `_generate_single_turn` or `_tool_call_loop` did not end it already
         return output
 
+    @_parent_without_stack
     def _tool_call_loop(self, *args, **kwargs):
         output = super()._tool_call_loop(*args, **kwargs)
         self._end_rollout()  # the rollout's last turn is done: before `_generate` waits for the other ranks
         return output
 
+    @_parent_without_stack
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         own_rollout = self.tlt.open_rollout()  # called outside `_generate`: a rollout of its own
         if self.use_vllm and images is None and not multimodal_fields:
@@ -143,6 +162,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         reason = settings.stock_generation_reason(images, multimodal_fields, stack.fallback_reason, policy)
         if reason is None:
             training = self.model.training  # read before the context puts the policy in eval mode
+            sharded = policy_is_sharded(self.model_wrapped)  # before the context, which may gather it
             with profiling_context(self, "tlt.generate"), self._unwrapped_for_generation() as unwrapped_model:
                 if not stack.engine_checked:  # once, on the real policy (gathered, in eval mode)
                     stack.engine_checked = True
@@ -150,9 +170,9 @@ class TLTGRPOTrainer(GRPOTrainer):
                 reason = stack.fallback_reason
                 if reason is None:
                     params = settings.sampling_params(unwrapped_model, self.generation_config)
-                    pad = self._tokenizer.pad_token_id
+                    pad, width = self._tokenizer.pad_token_id, self._padded_width(prompt_ids)
                     out = stack.generate(
-                        unwrapped_model, prompt_ids, params, pad, self._padded_width(prompt_ids), training
+                        unwrapped_model, prompt_ids, params, pad, width, training, self.state.global_step, sharded
                     )
             if reason is None:
                 self._log(rollout_metrics(out.stats, stack.history))
@@ -196,17 +216,35 @@ class TLTGRPOTrainer(GRPOTrainer):
         )
         if not self.model.training:
             return
-        if stack.spot is None or (self.use_vllm and not self.vllm_generation.speculating):
-            stack.end_rollout(None, turns)  # the prompt history only
-        else:
-            with profiling_context(self, "tlt.spot_training"), self._unwrapped_for_generation() as unwrapped_model:
-                spot = stack.end_rollout(unwrapped_model, turns, self.state.global_step)
-            self._log(spot_metrics(spot, stack.spot))  # in training mode again: the context put the policy in eval
-            if self.use_vllm:
+        stack.remember(turns)
+        if stack.spot is not None and not (self.use_vllm and not self.vllm_generation.speculating):
+            with profiling_context(self, "tlt.spot_training"):
+                spot = self._train_drafter(turns)
+            if spot is not None:
+                self._log(spot_metrics(spot, stack.spot))
+            if spot is not None and self.use_vllm:
                 with profiling_context(self, "tlt.sync_drafter"):
                     self.vllm_generation.sync_drafter()
         if stack.watchdog is not None:
             self._watch_vllm_drafter(turns)
+
+    def _train_drafter(self, turns: list[RolloutTurn]):
+        """Spot training on this rollout. A sharded policy is never gathered here (a collective: this rank would wait
+        for the slowest at it, its idle time lost): drafter training reads the whole LM head the rollout copied."""
+        stack, version = self.tlt, self.state.global_step
+        if policy_is_sharded(self.model_wrapped):
+            policy = self.accelerator.unwrap_model(self.model)
+            weights = stack.policy_weights
+            if weights is None:
+                logger.warning_once(
+                    "Spot training with a policy sharded across processes trains the drafter on the hidden states "
+                    "trl-tlt's engine records in a rollout; this rank's rollouts recorded none yet (vLLM or a "
+                    "rollout_func generated them): the drafter does not train on them."
+                )
+            view = None if weights is None else PolicyView(weights.output_embedding, policy.config)
+            return stack.train_drafter(view, turns, version)
+        with self._unwrapped_for_generation() as unwrapped_model:
+            return stack.train_drafter(unwrapped_model, turns, version)
 
     def _watch_vllm_drafter(self, turns: list[RolloutTurn]) -> None:
         """The drafter in vLLM, watched on the acceptance of every rank's turns (summed over ranks, so that every rank
@@ -242,6 +280,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             "does without a drafter; spot training stops)."
         )
 
+    @_parent_without_stack
     def _generate_and_score_completions(self, inputs):
         if not (self.use_vllm and self.args.drafter_type != "none"):
             return super()._generate_and_score_completions(inputs)
@@ -269,8 +308,6 @@ class TLTGRPOTrainer(GRPOTrainer):
             output = super()._generate_and_score_completions(inputs)
         elif check is not None:
             self._metrics[mode]["tlt/vllm_sample_z"].append(check.z)
-        if not self.vllm_importance_sampling_correction:  # the loss uses the trainer's logprobs: never train on vLLM's
-            output.pop("sampling_per_token_logps", None)
         return output
 
     def _check_vllm_samples(self, output: dict) -> SampleMoments | None:
@@ -287,6 +324,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         return SampleMoments.from_tensor(self.accelerator.reduce(local.as_tensor(device), "sum").cpu())
 
     # --------------------------------------------------------------------------------------- training phase
+    @_parent_without_stack
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -327,6 +365,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             and args.steps_per_generation % args.gradient_accumulation_steps == 0  # windows = optimizer steps
         )
 
+    @_parent_without_stack
     def _prepare_inputs(self, generation_batch):
         buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
@@ -340,15 +379,20 @@ class TLTGRPOTrainer(GRPOTrainer):
         return inputs
 
     # ---------------------------------------------------------------------------------- checkpoints, export
+    @_parent_without_stack
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         self.tlt.save(folder, self.accelerator.process_index, write_drafter=self.args.should_save)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        policy = self.accelerator.unwrap_model(self.model)
-        self.tlt.load(Path(resume_from_checkpoint), self.accelerator.process_index, policy)
+    @_parent_without_stack
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # The resume step every backend takes, once the policy is loaded and prepared (with DeepSpeed transformers
+        # loads the policy through `deepspeed_load_checkpoint`, never `_load_from_checkpoint`).
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            policy = self.accelerator.unwrap_model(self.model)
+            self.tlt.load(Path(checkpoint), self.accelerator.process_index, policy, self.accelerator.num_processes)
 
     def join_drafter_writes(self) -> None:
         """Wait for the background drafter checkpoint write; raise its error, if it failed."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..drafters.eagle3 import Eagle3Model, shift_left
 
@@ -34,6 +34,28 @@ class DrafterSample:
     prompt_length: int
     features: torch.Tensor | None = field(default=None, repr=False)
     version: int | None = None
+
+
+@dataclass
+class PolicyView:
+    """What drafter training reads of the policy.
+
+    `head_weight` (V, H): its LM head (the policy's distribution from the last hidden states a rollout recorded; a
+    sharded policy's whole copy, `PolicyWeights.output_embedding`). `config`: its config (the layers features are
+    recorded at). `model`: the policy, run over samples whose rollout recorded no features; None for a policy sharded
+    across processes, whose forward is a collective the other ranks would not join then: such samples are dropped.
+    """
+
+    head_weight: torch.Tensor
+    config: PretrainedConfig
+    model: PreTrainedModel | None = None
+
+    @classmethod
+    def of(cls, policy: PreTrainedModel | PolicyView) -> PolicyView:
+        """A whole policy's view (one already made is returned as it is)."""
+        if isinstance(policy, PolicyView):
+            return policy
+        return cls(policy.get_output_embeddings().weight, policy.config, policy)
 
 
 @dataclass

@@ -41,6 +41,7 @@ class Eagle3Drafter(Drafter):
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> None:
+        self.model.use_policy_weights(ctx.policy_weights)
         rows = ctx.row_ids.tolist()
         fused = self.model.fuse(ctx.hidden_states)  # (B, W, H), left-padded like the prompts
         # Position t pairs hidden state t with token t+1; the newest token (sampled from the prefill) is the last.

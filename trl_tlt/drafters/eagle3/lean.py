@@ -63,7 +63,7 @@ class _LeanHead:
 
     def qkv(self, input_ids, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (B, heads, n, d) and k, v (B, kv_heads, n, d) of n positions, RoPE applied with cos, sin (B, n or 1, 1, d)."""
-        embeds = F.embedding(input_ids, self.model.embed_tokens.weight).to(hidden.dtype)
+        embeds = F.embedding(input_ids, self.model.embedding_weight).to(hidden.dtype)
         x = F.rms_norm(torch.stack([embeds, hidden], dim=-2), (hidden.size(-1),), eps=self.eps).flatten(-2)
         straight, half, v = F.linear(x, self.qkv_weight).split(self.qkv_sizes, dim=-1)
         shape = (*x.shape[:-1], -1, self.head_dim)

@@ -16,6 +16,7 @@ from transformers import DynamicCache, LlamaConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from ...engine.sharding import PolicyWeights
 from ..draft_vocab import prior_draft_ids
 from .config import eagle3_config
 
@@ -99,6 +100,7 @@ class Eagle3Model(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         object.__setattr__(self, "embed_tokens", embed_tokens)  # shared, not a submodule: not saved, not trained
+        self.embedding_copy: torch.Tensor | None = None  # `use_policy_weights`
 
     @classmethod
     def for_policy(
@@ -173,16 +175,20 @@ class Eagle3Model(nn.Module):
         return source
 
     @torch.no_grad()
-    def resize_draft_vocab(self, draft_ids: torch.Tensor, policy_head_weight: torch.Tensor) -> None:
+    def resize_draft_vocab(self, draft_ids: torch.Tensor, policy_head_weight: torch.Tensor | None) -> None:
         """A new draft vocabulary of another size (ascending policy ids): a new LM head, its rows from the policy's
-        (for a head that has not trained yet: vLLM, which loads the head once, keeps its size)."""
+        (for a head that has not trained yet: vLLM, which loads the head once, keeps its size); zeros without
+        `policy_head_weight` (weights about to be loaded)."""
         hidden, size = self.config.hidden_size, draft_ids.numel()
         if not 0 < size <= self.config.vocab_size:
             raise ValueError(f"A draft vocabulary needs 1 to {self.config.vocab_size} ids, got {size}.")
         weight = self.lm_head.weight
         self.config.draft_vocab_size = size
         self.lm_head = nn.Linear(hidden, size, bias=False, device=weight.device, dtype=weight.dtype)
-        self.lm_head.weight.copy_(policy_head_weight.detach()[draft_ids.to(policy_head_weight.device)])
+        if policy_head_weight is None:
+            self.lm_head.weight.zero_()
+        else:
+            self.lm_head.weight.copy_(policy_head_weight.detach()[draft_ids.to(policy_head_weight.device)])
         self.d2t = torch.zeros(size, dtype=torch.long, device=self.d2t.device)
         self.set_vocab(draft_ids)
 
@@ -191,11 +197,21 @@ class Eagle3Model(nn.Module):
         """Policy token id of every draft-vocabulary entry."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
+    def use_policy_weights(self, weights: PolicyWeights | None) -> None:
+        """Embed with the whole copy in `weights` (a sharded policy's own embedding is a shard between its forwards:
+        `SpeculativeEngine.generate` copies it once per call), or with the policy's embedding module (None)."""
+        self.embedding_copy = None if weights is None else weights.input_embedding
+
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        """(V, H) the policy's input embedding the head reads: its whole copy, if any, else the policy's module's."""
+        return self.embed_tokens.weight if self.embedding_copy is None else self.embedding_copy
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The policy's embedding of `input_ids`, outside autograd: training the head must never leave a gradient on
         the policy's (shared) embedding, which the policy's own optimizer step would then apply."""
         with torch.no_grad():
-            return self.embed_tokens(input_ids)
+            return F.embedding(input_ids, self.embedding_weight)
 
     def fuse(self, policy_hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Hugging Face `hidden_states` of the policy -> fused (.., H) inputs."""
@@ -328,7 +344,8 @@ class Eagle3Model(nn.Module):
     def frozen_copy(self) -> Eagle3Model:
         """A copy with its own weights, frozen (e.g. to compare against as this one trains), still sharing the
         policy's embedding."""
-        frozen = copy.deepcopy(self, memo={id(self.embed_tokens): self.embed_tokens})
+        shared = (self.embed_tokens, self.embedding_copy)
+        frozen = copy.deepcopy(self, memo={id(x): x for x in shared if x is not None})
         return frozen.requires_grad_(False)
 
     @classmethod

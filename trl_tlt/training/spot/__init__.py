@@ -1,9 +1,10 @@
 """Spot training: the drafter learns from recent rollouts in the time a rank would otherwise idle.
 
 `DataBuffer` keeps the token sequences of the last `window` rollouts (TLT's one-step-offset rule: the previous
-rollout's long sequences balance the current one's early finishers), bounded by a token budget; every eighth
-sequence is held out for evaluation. The policy's hidden states are recomputed per drafter step (one no-grad
-forward over the step's packed tokens), so the buffer holds token ids only.
+rollout's long sequences balance the current one's early finishers) with the policy's hidden states their rollout
+recorded, bounded in tokens and in memory; every eighth sequence is held out for evaluation. A sequence without
+recorded states (a vLLM rollout) is forwarded through the policy when a drafter step draws it, or dropped where the
+policy is sharded across processes.
 
 `SpotTrainer` runs drafter optimizer steps:
 - with several processes, on each rank from the moment its own rollouts are done until every rank's are: an
@@ -27,7 +28,8 @@ counts (summed over ranks at the merge), its LM head rows and their optimizer mo
 
 from .buffer import HELD_OUT_EVERY, DataBuffer, take_tokens
 from .schedule import SpotBudget, SpotSchedule
-from .trainer import SpotStats, SpotTrainer
+from .stats import SpotStats
+from .trainer import SpotTrainer
 
 
 __all__ = ["HELD_OUT_EVERY", "DataBuffer", "SpotBudget", "SpotSchedule", "SpotStats", "SpotTrainer", "take_tokens"]

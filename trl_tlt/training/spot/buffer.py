@@ -30,7 +30,8 @@ def take_tokens(samples: list[DrafterSample], max_tokens: int) -> list[DrafterSa
 
 class DataBuffer:
     """Prompt + completion token ids of the last `window` rollouts (with the policy's features of them, where the
-    rollout recorded them), at most `max_tokens` tokens and `max_feature_bytes` of features in all.
+    rollout recorded them), at most `max_tokens` tokens and `max_feature_bytes` of features in all, the held-out
+    sequences' included.
 
     Features are the policy's as it was at its rollout: those from before its last update are dropped (`add` with a
     newer `version`), never trained on stale.
@@ -85,11 +86,17 @@ class DataBuffer:
         self.held_out = held_out
         while len(self.rollouts) > self.window:
             self.rollouts.popleft()
-        while (self.num_tokens > self.max_tokens or self.feature_bytes > self.max_feature_bytes) and any(
-            self.rollouts
-        ):
-            oldest = next(r for r in self.rollouts if r)
-            oldest.pop(0)
+        while self.num_tokens > self.max_tokens or self.feature_bytes > self.max_feature_bytes:
+            self._drop_one()
+
+    def _drop_one(self) -> None:
+        """Over a cap: a held-out sequence if they hold more than their share (1 / HELD_OUT_EVERY) of the features or
+        no training sequence is left, else the oldest training sequence."""
+        held_out_bytes = sum(s.features.nbytes for s in self.held_out if s.features is not None)
+        if self.held_out and (held_out_bytes * HELD_OUT_EVERY > self.feature_bytes or not any(self.rollouts)):
+            self.held_out.pop()
+        elif any(self.rollouts):
+            next(r for r in self.rollouts if r).pop(0)
 
     def drop_stale(self, version: int | None) -> None:
         """Drop the sequences whose features the policy computed before `version` (None: nothing to compare)."""

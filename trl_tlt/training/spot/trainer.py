@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -17,52 +16,19 @@ from ...drafters.eagle3 import Eagle3Model
 from ..distillation import (
     DistillConfig,
     DrafterSample,
+    PolicyView,
     eagle3_loss,
     lm_distill_loss,
     pack,
+    recorded_features,
     sample_features,
 )
 from .buffer import DataBuffer, take_tokens
 from .schedule import SpotBudget, SpotSchedule
+from .stats import SpotStats
 
 
 logger = logging.get_logger(__name__)
-
-
-@dataclass
-class SpotStats:
-    """What one spot phase (between the end of this rank's rollout and the next RL work) did on this rank."""
-
-    idle_seconds: float = 0.0  # this rank's wait for the others (0 with one process)
-    seconds_used: float = 0.0  # time spent on drafter steps (and held-out evaluation)
-    steps: int = 0  # drafter optimizer steps completed
-    preempted: int = 0  # drafter steps abandoned because the other ranks were done
-    resets: int = 0  # drafter steps discarded, or weights rolled back, because something was not finite
-    losses: list[float] = field(default_factory=list)
-    eval_acceptance_length: float | None = None  # estimate on the latest rollout's held-out sequences
-    skipped: bool = False  # one process: the phase was skipped whole (a drafter that does not pay, left idle)
-    budget_seconds: float | None = None  # one process: the credit the time budget gave this phase
-    draft_vocab_coverage: float | None = None  # share of the latest rollout's tokens in the draft vocabulary
-    draft_vocab_revised: bool = False  # the draft vocabulary was re-chosen at this phase
-    summary: dict = field(default_factory=dict)  # over all ranks: total steps, mean seconds, mean loss
-
-    def _local_totals(self) -> list[float]:
-        evaluated = self.eval_acceptance_length is not None
-        return [
-            float(self.steps), self.idle_seconds, self.seconds_used, sum(self.losses),
-            self.eval_acceptance_length or 0.0, float(evaluated), float(self.resets), 1.0,
-        ]  # fmt: skip
-
-    def summarize(self, totals: list[float]) -> None:
-        steps, idle, used, loss_sum, eval_sum, evaluated, resets, ranks = totals
-        self.summary = {
-            "steps": steps,
-            "resets": resets,
-            "idle_seconds": idle / ranks,
-            "seconds_used": used / ranks,
-            "loss": loss_sum / steps if steps else None,
-            "eval_acceptance_length": eval_sum / evaluated if evaluated else None,
-        }
 
 
 class SpotTrainer:
@@ -118,6 +84,7 @@ class SpotTrainer:
         self.total_steps = 0
         self.total_resets = 0
         self.rerun_samples = 0  # samples whose features needed a policy forward (none recorded by their rollout)
+        self.dropped_samples = 0  # samples without features a sharded policy could not be run over (never trained on)
         self._phase_resets = 0
         self._step_seconds: float | None = None  # moving average of a drafter step's time
         self._rollout_counts: torch.Tensor | None = None  # token counts of the rollouts since the last revision
@@ -153,10 +120,8 @@ class SpotTrainer:
         return isinstance(self.drafter, Eagle3Model)
 
     # ------------------------------------------------------------------------------------------ one step
-    def _loss(
-        self, policy: PreTrainedModel, features, agreement: bool = False
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        head_weight = policy.get_output_embeddings().weight
+    def _loss(self, policy: PolicyView, features, agreement: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+        head_weight = policy.head_weight
         if self.is_eagle:  # one packed row: the sample is already at most tokens_per_step long
             return eagle3_loss(self.drafter, head_weight, pack(features, 1 << 62)[0], self.config, agreement)
         return lm_distill_loss(self.drafter, head_weight, features, self.config.chunk_size)
@@ -166,28 +131,32 @@ class SpotTrainer:
         """Whether the next phase trains on the coming rollout (one process: not a phase the budget skips)."""
         return self.group is not None or self.steps_per_phase is not None or self.budget.skip == 0
 
-    def feature_layers(self, policy: PreTrainedModel) -> list[int]:
+    def feature_layers(self, policy: PreTrainedModel | PolicyView) -> list[int]:
         """The policy's layers a rollout records for this drafter (`SpeculativeEngine.generate(record_layers=)`): an
         EAGLE-3 head's auxiliary layers, then the last (the policy's distribution, through its LM head)."""
         aux = list(self.drafter.aux_layer_ids) if self.is_eagle else []
         return [*aux, policy.config.get_text_config().num_hidden_layers]
 
-    def _features(self, policy: PreTrainedModel, samples: list[DrafterSample]):
+    def _features(self, policy: PolicyView, samples: list[DrafterSample]):
         """The policy's view of `samples`: what their rollout recorded, or (samples without, e.g. vLLM's rollouts) a
-        forward of the policy over them, counted in `rerun_samples`."""
+        forward of the policy over them, counted in `rerun_samples`; a sharded policy (no `model`) is never run: those
+        samples are dropped, counted in `dropped_samples`."""
+        if policy.model is None:
+            kept = [s for s in samples if s.features is not None]
+            self.dropped_samples += len(samples) - len(kept)
+            return [recorded_features(s, self.is_eagle, policy.head_weight.device) for s in kept]
         self.rerun_samples += sum(s.features is None for s in samples)
-        return sample_features(policy, self.drafter, samples, batch_size=len(samples))
+        return sample_features(policy.model, self.drafter, samples, batch_size=len(samples))
 
-    def step(self, policy: PreTrainedModel, preempt=None) -> float | None:
+    def step(self, policy: PreTrainedModel | PolicyView, preempt=None) -> float | None:
         """One drafter optimizer step on a sample of the buffer; returns its loss, or None if there was nothing to
         train on or `preempt()` became true at a phase boundary (after the policy forward, after the drafter's
         forward): the step is then dropped whole, the drafter and optimizer untouched."""
         preempt = preempt or (lambda: False)
+        policy = PolicyView.of(policy)
         samples = self.buffer.sample(self.tokens_per_step, self.rng)
-        if not samples:
-            return None
-        features = self._features(policy, samples)
-        if preempt():
+        features = self._features(policy, samples) if samples else []
+        if not features or preempt():
             return None
         self.drafter.train()
         try:
@@ -239,16 +208,15 @@ class SpotTrainer:
         return False
 
     @torch.no_grad()
-    def evaluate(self, policy: PreTrainedModel, preempt=None) -> float | None:
+    def evaluate(self, policy: PreTrainedModel | PolicyView, preempt=None) -> float | None:
         """Estimated acceptance length on the latest rollout's held-out sequences: 1 + sum_j prod_{i<=j} a_i, where
         a_i is the drafter's top-1 agreement with the policy at draft position i (teacher forced). At most one
         step's worth of tokens; None if there is nothing held out or `preempt()` became true after the policy
         forward."""
+        policy = PolicyView.of(policy)
         held_out = take_tokens(self.buffer.held_out, self.tokens_per_step)
-        if not held_out:
-            return None
-        features = self._features(policy, held_out)
-        if preempt is not None and preempt():
+        features = self._features(policy, held_out) if held_out else []
+        if not features or (preempt is not None and preempt()):
             return None
         _, metrics = self._loss(policy, features, agreement=True)
         length, run = 1.0, 1.0
@@ -274,17 +242,22 @@ class SpotTrainer:
             self._rollout_counts = counts if self._rollout_counts is None else self._rollout_counts + counts
 
     @torch.no_grad()
-    def _revise_vocab(self, policy: PreTrainedModel, stats: SpotStats) -> None:
+    def _revise_vocab(self, policy: PolicyView, stats: SpotStats, wait: bool = False) -> None:
         """Count the rollouts seen since the last call (summed over ranks) and re-choose the draft vocabulary if it
-        covers too little of them: kept rows keep their weights and optimizer moments, new rows start afresh."""
+        covers too little of them: kept rows keep their weights and optimizer moments, new rows start afresh. `wait`
+        (agreed by every rank): a rank has no LM head to size new rows from; the counts wait for the next phase."""
         if self.vocab is None:
             return
-        counts, self._rollout_counts = self._rollout_counts, None
+        local, self._rollout_counts = self._rollout_counts, None
+        counts = local
         if self.group is not None:  # every rank sums, with zeros where it saw no rollout: the same collectives
-            counts = counts if counts is not None else torch.zeros(self.vocab.vocab_size, dtype=torch.float64)
+            counts = torch.zeros(self.vocab.vocab_size, dtype=torch.float64) if local is None else local.clone()
             with self._peers("the sum of the ranks' token counts"):
                 dist.all_reduce(counts, group=self.group)
         if counts is None or not counts.any():  # nothing seen (on any rank): nothing to fit or revise
+            return
+        if wait:
+            self._rollout_counts = local
             return
         self.vocab.observe(counts)
         if self.fit_vocab:  # once, at the first rollout: size the vocabulary to what the policy uses
@@ -294,7 +267,7 @@ class SpotTrainer:
             self.vocab.draft_vocab_size = fitted_size(self.vocab.counts, self.vocab.draft_vocab_size)
         new_ids = self.vocab.revised(self.drafter.draft_ids)
         if new_ids is not None and new_ids.numel() != self.drafter.config.draft_vocab_size:
-            self.drafter.resize_draft_vocab(new_ids, policy.get_output_embeddings().weight)
+            self.drafter.resize_draft_vocab(new_ids, policy.head_weight)
             self._new_optimizer()
             self._good = [p.detach().clone() for p in self.params]
             stats.draft_vocab_revised = True
@@ -307,9 +280,9 @@ class SpotTrainer:
         stats.draft_vocab_coverage = self.vocab.coverage(self.drafter.draft_ids)
 
     @torch.no_grad()
-    def _remap_vocab(self, new_ids: torch.Tensor, policy: PreTrainedModel) -> None:
+    def _remap_vocab(self, new_ids: torch.Tensor, policy: PolicyView) -> None:
         weight = self.drafter.lm_head.weight
-        source = self.drafter.remap_vocab(new_ids, policy.get_output_embeddings().weight).to(weight.device)
+        source = self.drafter.remap_vocab(new_ids, policy.head_weight).to(weight.device)
         kept = source >= 0
         for moment in self.optimizer.state.get(weight, {}).values():
             if torch.is_tensor(moment) and moment.shape == weight.shape:
@@ -325,9 +298,10 @@ class SpotTrainer:
             return steps_taken < self.steps_per_phase
         return self.budget.credit > 0 and self.budget.credit >= (self._step_seconds or 0.0)
 
-    def run_between_rollouts(self, policy: PreTrainedModel, rollout_seconds: float = 0.0) -> SpotStats:
+    def run_between_rollouts(self, policy: PreTrainedModel | PolicyView, rollout_seconds: float = 0.0) -> SpotStats:
         """One process: drafter steps within the budget `SpotBudget` gives this phase (`time_budget x
         rollout_seconds x share`), or exactly `steps_per_phase` of them; timed (this time is added to the RL step)."""
+        policy = PolicyView.of(policy)
         stats = SpotStats()
         start = time.perf_counter()
         self._phase_resets = 0
@@ -359,25 +333,36 @@ class SpotTrainer:
         stats.summarize(stats._local_totals())
         return stats
 
-    def run_while_idle(self, policy: PreTrainedModel) -> SpotStats:
+    def run_while_idle(
+        self, policy: PreTrainedModel | PolicyView | None, refuse: bool = False
+    ) -> SpotStats:  # fmt: skip
         """Several processes: train until every rank's rollout is done, then merge the ranks' drafters. With
-        `steps_per_phase`, every rank takes exactly that many steps first, whatever the timing (runs repeat exactly)."""
+        `steps_per_phase`, every rank takes exactly that many steps first, whatever the timing (runs repeat exactly).
+
+        The idle barrier is a sum over ranks that carries what they must agree on before the next collective: `refuse`
+        (this rank could not train on this rollout: it went through GRPOTrainer's generation) ends the phase on every
+        rank with `stats.refused`, each drafter back to the last merged one, for the caller to stop spot training
+        everywhere alike; `policy` None (this rank has no whole LM head: a sharded policy none of its rollouts copied
+        yet) leaves the draft vocabulary as it is this phase, on every rank.
+        """
         stats = SpotStats()
         start = time.perf_counter()
         self._phase_resets = 0
         self.check_weights()
-        if self.steps_per_phase is not None and self.buffer.samples:
-            stats.eval_acceptance_length = self.evaluate(policy)
-            while stats.steps < self.steps_per_phase and (loss := self.step(policy)) is not None:
+        view = None if policy is None or refuse else PolicyView.of(policy)
+        if self.steps_per_phase is not None and view is not None and self.buffer.samples:
+            stats.eval_acceptance_length = self.evaluate(view)
+            while stats.steps < self.steps_per_phase and (loss := self.step(view)) is not None:
                 stats.steps += 1
                 stats.losses.append(loss)
             stats.seconds_used = time.perf_counter() - start
-        barrier = dist.barrier(group=self.group, async_op=True)
+        flags = torch.tensor([float(refuse), float(view is None)], dtype=torch.float64)
+        barrier = dist.all_reduce(flags, group=self.group, async_op=True)
         done = barrier.is_completed
-        if self.steps_per_phase is None and not done() and self.buffer.samples:
-            stats.eval_acceptance_length = self.evaluate(policy, preempt=done)
+        if self.steps_per_phase is None and view is not None and not done() and self.buffer.samples:
+            stats.eval_acceptance_length = self.evaluate(view, preempt=done)
             while not done():
-                loss = self.step(policy, preempt=done)
+                loss = self.step(view, preempt=done)
                 if loss is None:
                     stats.preempted += 1
                 else:
@@ -387,11 +372,18 @@ class SpotTrainer:
         with self._peers("the idle barrier (waiting for the other ranks' rollouts)"):
             barrier.wait()
         stats.idle_seconds = time.perf_counter() - start
+        refused, without_head = flags.tolist()
+        if refused:  # no merge: every rank back to the drafter they last agreed on
+            with torch.no_grad():
+                for good, p in zip(self._good, self.params, strict=True):
+                    p.copy_(good)
+            stats.refused = True
+            return stats
         if not self.check_weights():  # never average a non-finite drafter into the others
             stats.steps = 0
         stats.resets = self._phase_resets
         self._merge(stats)
-        self._revise_vocab(policy, stats)
+        self._revise_vocab(view, stats, wait=without_head > 0)
         return stats
 
     @torch.no_grad()
@@ -452,7 +444,8 @@ class SpotTrainer:
             state["vocab"] = self.vocab.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, stream: bool = True) -> None:
+        """`stream=False`: keep this rank's sampling stream over the buffer (another rank's state)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.total_steps = int(state["total_steps"])
@@ -461,7 +454,8 @@ class SpotTrainer:
         if "budget" in state:  # checkpoints written before the time budget have none
             self.budget.load_state_dict(state["budget"])
         if "rng" in state:  # nor, before the per-rank state, the sampling stream
-            self.rng.setstate(state["rng"])
+            if stream:
+                self.rng.setstate(state["rng"])
             self._step_seconds = state["step_seconds"]
         if self.vocab is not None and "vocab" in state:
             self.vocab.load_state_dict(state["vocab"])

@@ -1,0 +1,217 @@
+"""Sharded training where it really runs: the policy sharded over 2 CPU processes (gloo) by torch's FSDP2 and by
+DeepSpeed ZeRO-3 (its CPU accelerator), ranks whose rollouts end at different lengths; resume at another number of
+processes; a trainer built without `__init__`.
+
+Each multi-process case holds: the run finishes (a rank left waiting at a collective would time out instead); greedy
+completions equal GRPOTrainer's under the same launch; every rank ends with the same drafter. Slow (CI's second stage),
+except the last test.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import MagicMock
+
+import pytest
+import torch
+
+from trl_tlt import TLTGRPOTrainer
+from trl_tlt.tooling.tiny import build_tiny_model
+
+
+HERE = Path(__file__).parent
+PROMPTS = ["12+34=", "The quick", "1 2 3", "hello world"]
+GREEDY = {"generation_kwargs": {"do_sample": False}}
+SPOT = {"spot_training": True, "spot_steps_per_rollout": 2, "spot_tokens_per_step": 64, "spot_cold_start_steps": 0}
+_ports = iter(range(29750, 29850))
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+        str(next(_ports)), str(HERE / script), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run_matrix(tmp_path: Path, tag: str, nproc: int = 2, **spec) -> list[dict]:
+    """One launch of tests/_matrix_run.py under torchrun; each rank's report."""
+    spec = {"trainer": "tlt", "output_dir": str(tmp_path), "tag": tag, "prompts": PROMPTS * 4, **spec}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / f"{tag}.json"
+    path.write_text(json.dumps(spec))
+    result = torchrun("_matrix_run.py", str(path), nproc=nproc)
+    assert result.returncode == 0, result.stderr[-6000:]
+    if spec.get("kill_after") is not None:
+        return []
+    return [json.loads((tmp_path / f"{tag}-rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tokenizer, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("sharded-policy")
+    torch.manual_seed(0)
+    build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=3, num_attention_heads=2).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def assert_same_run(tlt: list[dict], grpo: list[dict], tmp_path: Path, tlt_tag: str, grpo_tag: str) -> None:
+    """Greedy: every rank sampled GRPOTrainer's completions, the sharded policies trained alike (to round-off: TLT's
+    micro-batches are grouped by length), and every rank holds the same drafter, trained."""
+    from safetensors.torch import load_file
+
+    for rank in (0, 1):
+        assert tlt[rank]["completions"] == grpo[rank]["completions"] and tlt[rank]["completions"]
+    ours = load_file(tmp_path / f"{tlt_tag}-rank0-policy" / "model.safetensors")
+    theirs = load_file(tmp_path / f"{grpo_tag}-rank0-policy" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert tlt[0]["drafter_sha256"] == tlt[1]["drafter_sha256"] is not None
+    assert tlt[0]["drafter_steps"] > 0
+
+
+def deepspeed_runs() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+NEEDS_DEEPSPEED = pytest.mark.skipif(not deepspeed_runs(), reason="needs deepspeed (the `deepspeed` extra, in `dev`)")
+SHARDINGS = ["fsdp2", pytest.param("zero3", marks=NEEDS_DEEPSPEED)]
+
+
+# --------------------------------------------------------------------------------------------------- the engine
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_engine_keeps_the_ranks_of_a_sharded_policy_in_lockstep(tmp_path, sharding):
+    """FSDP2, and ZeRO-3 not gathered for generation (`ds3_gather_for_generation=False`, for policies too large to
+    gather): every forward gathers parameters. Rank 0's rows end after 4 tokens, rank 1's after 16: with no drafter,
+    the n-gram drafter and an EAGLE-3 head the engine's greedy completions equal the unsharded policy's, rank 0 runs
+    placeholder forwards until rank 1 is done, and the next all-reduce pairs; so does a rank on the engine beside one
+    on transformers' `generate`. The EAGLE-3 head embedded with a whole copy of the policy's embedding (the module's
+    weight is a shard between forwards)."""
+    result = torchrun("_sharded_engine_run.py", str(tmp_path), sharding, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for report in (first, second):
+        assert report["sharded"] == report["unsharded"]
+        assert all(report[key] for key in ("paired_none", "paired_ngram", "paired_eagle3", "paired_mixed"))
+        assert report["embedding_copy_shape"] == [report["vocab_size"], 64]
+    for name in ("none", "ngram", "eagle3"):
+        placeholders, forwards = first["placeholders"][name]
+        assert placeholders > 0 and placeholders + forwards == sum(second["placeholders"][name])
+        assert second["placeholders"][name][0] == 0
+    assert first["mixed"] == first["sharded"]["none"] and second["mixed"] == second["sharded"]["none"][:1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_engine_without_lockstep_deadlocks(tmp_path, sharding):
+    """The negative control (the engine before lockstep, `synced=False`): the rank done first leaves the decode loop,
+    its next collective pairs with the other's parameter all-gather, and both time out."""
+    result = torchrun("_sharded_engine_run.py", str(tmp_path), sharding, "--no-sync", timeout=300)
+    assert result.returncode != 0
+    assert "Timed out" in result.stderr
+
+
+# -------------------------------------------------------------------------------------------------- the trainer
+@pytest.mark.slow
+def test_fsdp2_trainer_runs_in_lockstep_with_spot_training(policy_dir, tmp_path):
+    """TLTGRPOTrainer under FSDP2, 3 steps, spot training on, the ranks' completions ending at 6 and 12 tokens:
+    GRPOTrainer's completions and policy, the same trained drafter on both ranks, drafter training on recorded
+    features only (no policy forward), placeholder forwards on the rank done first."""
+    common = {
+        "model_dir": policy_dir, "sharding": "fsdp2", "max_completion_length_by_rank": [6, 12],
+        "config": {"max_steps": 3, **GREEDY},
+    }  # fmt: skip
+    grpo = run_matrix(tmp_path, "grpo", trainer="grpo", **common)
+    tlt = run_matrix(tmp_path, "tlt", **{**common, "config": {**common["config"], **SPOT}})
+    assert_same_run(tlt, grpo, tmp_path, "tlt", "grpo")
+    assert all(report["drafter_rerun_samples"] == 0 for report in tlt)
+    assert max(tlt[0]["placeholder_shares"]) > 0 and max(tlt[1]["placeholder_shares"]) == 0
+
+
+@pytest.mark.slow
+@NEEDS_DEEPSPEED
+def test_zero3_trainer_trains_the_drafter_without_gathering_the_policy_again(policy_dir, tmp_path):
+    """ZeRO-3 under DeepSpeed's CPU accelerator with `ds3_gather_for_generation` (TRL's default: the policy gathered
+    once per rollout, its forwards local, no lockstep): GRPOTrainer's completions and policy, the same trained drafter
+    on both ranks. Spot training never enters the gathered context (a collective: the rank done first would wait there
+    for the slowest): it reads the LM head the rollout copied. Mutation caught: the copy decided inside the context
+    (the policy looked whole there): no copy, no drafter step on any rank. Without gathering, GRPOTrainer itself fails
+    at its first backward on this CPU accelerator (`The size of tensor a (0) must match the size of tensor b (64)`):
+    that case is the engine test above."""
+    common = {
+        "model_dir": policy_dir, "sharding": "zero3", "max_completion_length_by_rank": [6, 12],
+        "config": {"max_steps": 3, **GREEDY},
+    }  # fmt: skip
+    grpo = run_matrix(tmp_path, "grpo", trainer="grpo", **common)
+    tlt = run_matrix(tmp_path, "tlt", **{**common, "config": {**common["config"], **SPOT}})
+    assert_same_run(tlt, grpo, tmp_path, "tlt", "grpo")
+    assert all(report["drafter_rerun_samples"] == 0 for report in tlt)
+    assert max(tlt[0]["placeholder_shares"]) == 0  # gathered: no lockstep
+
+
+# ------------------------------------------------------------------------------------------------------ resume
+@pytest.mark.slow
+@NEEDS_DEEPSPEED
+def test_zero3_resume_is_the_same_run(policy_dir, tmp_path):
+    """Under DeepSpeed transformers resumes through `deepspeed_load_checkpoint`, never `_load_from_checkpoint`: the
+    rollout state is restored at `_load_optimizer_and_scheduler`, which every backend runs. Killed after step 2's
+    checkpoint, then resumed: the same completions and the same drafter as the uninterrupted run. Mutation caught:
+    the restore in `_load_from_checkpoint` (measured: half the drafter steps, another drafter, other completions)."""
+    common = {
+        "model_dir": policy_dir, "sharding": "zero3", "max_completion_length_by_rank": [6, 12],
+        "config": {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "selector_deterministic": True, **SPOT},
+    }  # fmt: skip
+    whole = run_matrix(tmp_path / "whole", "whole", **common)
+    run_matrix(tmp_path / "cut", "cut", kill_after=2, **common)
+    resumed = run_matrix(tmp_path / "cut", "resumed", resume=str(tmp_path / "cut" / "checkpoint-2"), **common)
+    for rank in (0, 1):
+        assert resumed[rank]["completions"] == whole[rank]["completions"][2:]
+        assert resumed[rank]["drafter_sha256"] == whole[rank]["drafter_sha256"]
+        assert resumed[rank]["drafter_steps"] == whole[rank]["drafter_steps"]
+    assert resumed[0]["policy_sha256"] == whole[0]["policy_sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(1, 2), (2, 1)])
+def test_resume_at_another_world_size_gives_every_rank_the_same_drafter(policy_dir, tmp_path, before, after):
+    """A checkpoint written by `before` processes, resumed by `after`: every rank takes the first rank's drafter and
+    spot state (the draft vocabulary fitted at the first rollout included), the merge pairs (a rank with a fresh,
+    unfitted head would all-reduce a head of another size: the abort of #45), and every rank ends with the same
+    drafter, trained."""
+    common = {"model_dir": policy_dir, "config": {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, **SPOT}}
+    run_matrix(tmp_path, "first", nproc=before, kill_after=2, **common)
+    reports = run_matrix(tmp_path, "second", nproc=after, resume=str(tmp_path / "checkpoint-2"), **common)
+    assert len({report["drafter_sha256"] for report in reports}) == 1
+    assert len({report["draft_vocab_size"] for report in reports}) == 1
+    assert all(report["global_step"] == 4 for report in reports)
+
+
+# ------------------------------------------------------------------------------ a trainer built without __init__
+def test_a_trainer_built_without_init_runs_grpotrainers_code():
+    """TRL's dispatch tests build a trainer with `object.__new__` and a few attributes: TLTGRPOTrainer's hooks run
+    GRPOTrainer's there. Mutation caught: `AttributeError: 'TLTGRPOTrainer' object has no attribute 'tlt'`."""
+    trainer = object.__new__(TLTGRPOTrainer)
+    trainer.accelerator = SimpleNamespace(
+        device=torch.device("cpu"), is_main_process=True, process_index=0, num_processes=1, gather=lambda t: t
+    )
+    trainer.args = SimpleNamespace(report_to=[])
+    trainer.model = SimpleNamespace(training=True)
+    trainer.state = SimpleNamespace(global_step=0, num_input_tokens_seen=0)
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer.use_vllm = False
+    trainer.rollout_func = MagicMock(return_value={"prompt_ids": [[1]], "completion_ids": [[2]]})
+    with pytest.raises(ValueError, match="rollout_func must return keys"):
+        trainer._generate(["prompt"])
+    trainer.rollout_func.assert_called_once()
