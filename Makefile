@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 
 $(VENV)/.installed: pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c requirements/ci.txt -e ".[dev]"
+	$(PY) -m pip install --quiet -c requirements/ci.txt -e ".[dev,deepspeed]"
 	touch $@
 
 # vLLM's CPU build lives in its own environment. pip drags in CUDA builds of torchvision/torchaudio/torchcodec

@@ -200,6 +200,18 @@ class RolloutStack:
             prompts = [p for turn in turns for p in turn.prompt_ids]
             self.history.add(prompts, [list(c) for turn in turns for c in turn.completion_ids])
 
+    def sharded_policy_view(self, config) -> PolicyView | None:
+        """What drafter training reads of a policy sharded across processes: the LM head the rollouts copied (never the
+        policy, whose forward is a collective); None where none was copied yet (with one warning)."""
+        if self.policy_weights is None:
+            logger.warning_once(
+                "Spot training with a policy sharded across processes trains the drafter on the hidden states "
+                "trl-tlt's engine records in a rollout; this rank's rollouts recorded none yet (vLLM or a "
+                "rollout_func generated them): the drafter does not train on them."
+            )
+            return None
+        return PolicyView(self.policy_weights.output_embedding, config)
+
     def train_drafter(
         self, policy: PreTrainedModel | PolicyView | None, turns: list[RolloutTurn], version: int | None = None
     ) -> SpotStats | None:

@@ -34,7 +34,6 @@ from .._swap import swapped
 from ..config import TLTConfig, as_tlt_config
 from ..engine.kv_cache import ragged_cache_mismatch
 from ..engine.sharding import policy_is_sharded
-from ..training.distillation import PolicyView
 from ..training.micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
 from ..vllm.check import SampleMoments, policy_sample_moments, vllm_sampling_params
 from . import export
@@ -233,15 +232,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         for the slowest at it, its idle time lost): drafter training reads the whole LM head the rollout copied."""
         stack, version = self.tlt, self.state.global_step
         if policy_is_sharded(self.model_wrapped):
-            policy = self.accelerator.unwrap_model(self.model)
-            weights = stack.policy_weights
-            if weights is None:
-                logger.warning_once(
-                    "Spot training with a policy sharded across processes trains the drafter on the hidden states "
-                    "trl-tlt's engine records in a rollout; this rank's rollouts recorded none yet (vLLM or a "
-                    "rollout_func generated them): the drafter does not train on them."
-                )
-            view = None if weights is None else PolicyView(weights.output_embedding, policy.config)
+            view = stack.sharded_policy_view(self.accelerator.unwrap_model(self.model).config)
             return stack.train_drafter(view, turns, version)
         with self._unwrapped_for_generation() as unwrapped_model:
             return stack.train_drafter(unwrapped_model, turns, version)
