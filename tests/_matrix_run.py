@@ -133,10 +133,11 @@ def main(spec_path: str) -> None:
     if spec.get("tools"):
         prompts = [[{"role": "user", "content": p}] for p in prompts]
         extra["tools"] = [multiply_tool]
+    args = config_cls(**config)  # first, as transformers documents for ZeRO-3: the policy then loads partitioned
     trainer = trainer_cls(
         model=AutoModelForCausalLM.from_pretrained(spec["model_dir"]),
         reward_funcs=reward,
-        args=config_cls(**config),
+        args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
         **extra,

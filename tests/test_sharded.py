@@ -144,21 +144,24 @@ def test_fsdp2_trainer_runs_in_lockstep_with_spot_training(policy_dir, tmp_path)
 @NEEDS_DEEPSPEED
 def test_zero3_trainer_trains_the_drafter_without_gathering_the_policy_again(policy_dir, tmp_path):
     """ZeRO-3 under DeepSpeed's CPU accelerator with `ds3_gather_for_generation` (TRL's default: the policy gathered
-    once per rollout, its forwards local, no lockstep): GRPOTrainer's completions and policy, the same trained drafter
-    on both ranks. Spot training never enters the gathered context (a collective: the rank done first would wait there
-    for the slowest): it reads the LM head the rollout copied. Mutation caught: the copy decided inside the context
-    (the policy looked whole there): no copy, no drafter step on any rank. Without gathering, GRPOTrainer itself fails
-    at its first backward on this CPU accelerator (`The size of tensor a (0) must match the size of tensor b (64)`):
-    that case is the engine test above."""
+    once per rollout), the config made before the policy is loaded (so it loads partitioned, as transformers documents),
+    rank 0's completions one token long (its rows end at the prefill): GRPOTrainer's completions and policy, the same
+    trained drafter on both ranks, never a policy rerun. The engine keeps the ranks in lockstep there too, as `generate`
+    does: DeepSpeed's root hook still broadcasts in the first forwards after each gather. Spot training never enters the
+    gathered context (a collective: the rank done first would wait there for the slowest); it reads the LM head the
+    rollout copied. Mutations caught (by review, scripted): lockstep only while the parameters are partitioned (from
+    the second rollout both ranks time out in DeepSpeed's broadcast); the new head built from the partitioned LM head
+    at construction (`IndexError`). Without gathering, GRPOTrainer itself fails at its first backward on this CPU
+    accelerator (`The size of tensor a (0) must match the size of tensor b (64)`): that case is the engine test above."""
     common = {
-        "model_dir": policy_dir, "sharding": "zero3", "max_completion_length_by_rank": [6, 12],
+        "model_dir": policy_dir, "sharding": "zero3", "max_completion_length_by_rank": [1, 12],
         "config": {"max_steps": 3, **GREEDY},
     }  # fmt: skip
     grpo = run_matrix(tmp_path, "grpo", trainer="grpo", **common)
     tlt = run_matrix(tmp_path, "tlt", **{**common, "config": {**common["config"], **SPOT}})
     assert_same_run(tlt, grpo, tmp_path, "tlt", "grpo")
     assert all(report["drafter_rerun_samples"] == 0 for report in tlt)
-    assert max(tlt[0]["placeholder_shares"]) == 0  # gathered: no lockstep
+    assert max(tlt[0]["placeholder_shares"]) > 0 and max(tlt[1]["placeholder_shares"]) == 0
 
 
 # ------------------------------------------------------------------------------------------------------ resume

@@ -370,6 +370,7 @@ def _one_rank_refuses(rank, init_file, results, policy_state, sharded):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned processes, about 25 s: CI's second stage
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_decision_one_rank_takes_reaches_every_rank_at_the_idle_barrier(tmp_path, policy, sharded):
     """Refusal: rank 1's rollout went through GRPOTrainer's generation; both ranks learn it at the idle barrier and end
@@ -389,7 +390,7 @@ def test_a_decision_one_rank_takes_reaches_every_rank_at_the_idle_barrier(tmp_pa
     assert first["steps"] > 0 and second["steps"] == 0
     if sharded:  # merged: the same drafter, trained
         assert torch.equal(first["flat"], second["flat"]) and not torch.equal(first["flat"], first["start"])
-        assert first["dropped"] > 0 and first["rerun"] == 0  # the policy never ran
+        assert first["dropped"] == 8 and first["rerun"] == 0  # each feature-less sample once; the policy never ran
     else:  # back to the drafter both held at the start
         assert torch.equal(first["flat"], first["start"]) and torch.equal(second["flat"], second["start"])
 
@@ -406,3 +407,13 @@ def test_the_buffer_cap_holds_out_rows_inside_it_and_drops_them_too():
         buffer.add(prompts, completions, [row.clone() for _ in range(64)], version=step)
         assert buffer.feature_bytes <= cap
         assert len(buffer.samples) >= 12 and 1 <= len(buffer.held_out) <= 2
+
+
+def test_a_sample_shorter_than_the_training_time_test_trains(policy):
+    """A packed row shorter than `ttt_length` (a 2-token prompt and a 1-token completion: 2 positions, 4 TTT steps):
+    `shift_left` past the row's end kept the row's length. Mutation caught: it grew the row (a 3- vs 2-position
+    `torch.cat` error in the head's attention; seen on a rank whose completions were one token long)."""
+    buffer = DataBuffer(window=2)
+    buffer.add([[1, 2]] * 8, [[5]] * 8)
+    spot = SpotTrainer(Eagle3Model.for_policy(policy), buffer, tokens_per_step=2)
+    assert spot.step(policy) is not None and spot.evaluate(policy) is not None

@@ -31,22 +31,36 @@ def _world_size() -> int:
 
 
 def policy_is_sharded(model: torch.nn.Module) -> bool:
-    """Whether `model`'s forwards gather parameters from other processes: a module managed by FSDP2 (`fully_shard`) or
-    FSDP1 (`FullyShardedDataParallel`), or a ZeRO-3 parameter not gathered right now (within DeepSpeed's
-    `GatheredParameters`, as TRL's `ds3_gather_for_generation` does, its forwards are local)."""
+    """Whether `model`'s forwards run collectives with the other processes, transformers' rule for `synced_gpus`: a
+    module managed by FSDP2 (`fully_shard`) or FSDP1 (`FullyShardedDataParallel`), or ZeRO-3 parameters (`ds_id`),
+    gathered or not: within TRL's `ds3_gather_for_generation` context DeepSpeed's root hook still synchronises the
+    first forwards after each gather (a broadcast), so the ranks' forward counts must agree there too."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     if any(isinstance(module, FSDPModule | FullyShardedDataParallel) for module in model.modules()):
         return True
-    # ZeRO-3 marks its parameters (`ds_id`, `ds_status`); duck-typed: deepspeed need not be importable
-    return any(getattr(getattr(p, "ds_status", None), "name", "AVAILABLE") != "AVAILABLE" for p in model.parameters())
+    return any(hasattr(p, "ds_id") for p in model.parameters())  # duck-typed: deepspeed need not be importable
 
 
 def needs_lockstep(model: torch.nn.Module) -> bool:
     """transformers' rule for `synced_gpus`, on what the engine runs: a sharded policy and more than one process."""
     return _world_size() > 1 and policy_is_sharded(model)
+
+
+@contextlib.contextmanager
+def whole_parameters(*params: torch.nn.Parameter):
+    """Within it, `params` are whole: ZeRO-3 partitioned ones gathered (DeepSpeed's `GatheredParameters`, a collective
+    every rank enters alike, e.g. at construction), the others as they are."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        yield
 
 
 class Lockstep:

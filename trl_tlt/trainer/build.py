@@ -21,6 +21,7 @@ from ..drafters import HybridDrafter, ModelDrafter, NgramDrafter, PromptHistory
 from ..drafters.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, DraftVocabulary
 from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from ..engine import Arm, BanditSpeculation, Drafter, FixedSpeculation, SpeculationPolicy, tree_arm
+from ..engine.sharding import whole_parameters
 from ..engine.speculation import BANDIT_DRAFT_LENGTHS, LOOKUP_DRAFT_LENGTHS
 from ..training.distillation import DistillConfig
 from ..training.spot import DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
@@ -116,7 +117,12 @@ def build_eagle3(args: TLTConfig, policy: PreTrainedModel) -> Eagle3Model:
         )
     vocab_size = policy.config.get_text_config().vocab_size
     draft_vocab_size = min(args.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
-    head = Eagle3Model.for_policy(policy, draft_vocab_size=draft_vocab_size)
+    # what the head starts from (the policy's LM head and final norm), whole: a policy loaded under an active ZeRO-3
+    # config is partitioned already
+    norm = getattr(policy.get_decoder(), "norm", None)
+    read = [policy.get_output_embeddings().weight, *([] if norm is None else [norm.weight])]
+    with whole_parameters(*read):
+        head = Eagle3Model.for_policy(policy, draft_vocab_size=draft_vocab_size)
     head = head.to(dtype=policy.get_input_embeddings().weight.dtype)
     if not head.exportable:  # save_drafter and use_vllm=True refuse it by name: said once, quietly, here
         logger.info(

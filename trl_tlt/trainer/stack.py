@@ -272,13 +272,13 @@ class RolloutStack:
         if self.spot is not None and "spot" in state:
             self.spot.load_state_dict(state["spot"], stream=streams)
 
-    def save(self, folder: Path, rank: int, write_drafter: bool) -> None:
+    def save(self, folder: Path, rank: int, write_drafter: bool, world_size: int = 1) -> None:
         """Into a checkpoint folder: this rank's rollout state (written, then renamed) and, where `write_drafter`
         (the process that saves), the drafter, snapshotted now and written by a background thread into drafter.tmp,
         then renamed: a run killed while writing leaves no half-written drafter/ behind."""
         path = folder / ROLLOUT_STATE_NAME.format(rank=rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), path.with_suffix(".tmp"))
+        torch.save({**self.state_dict(), "world_size": world_size}, path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)
         drafter = self.trainable_drafter
         if drafter is None or not write_drafter:
@@ -329,17 +329,19 @@ class RolloutStack:
         rank then holds the same drafter and spot state, as the merge needs; the run continues, not as the
         uninterrupted one would have (it ran with another number of processes)."""
         self._load_drafter(folder, policy)
-        written = sorted((folder / ROLLOUT_STATE_NAME).parent.glob("rank*.pt"))
-        path = folder / ROLLOUT_STATE_NAME.format(rank=rank)
-        if written and len(written) != world_size:
+        first = folder / ROLLOUT_STATE_NAME.format(rank=0)
+        state = torch.load(first, weights_only=True) if first.is_file() else None
+        # the number of processes that wrote it (checkpoints before it was recorded: the ranks' files)
+        written = None if state is None else state.get("world_size", len(list(first.parent.glob("rank*.pt"))))
+        if written is not None and written != world_size:
             logger.warning(
-                f"{folder} was written by {len(written)} process(es); this run has {world_size}. Every rank resumes "
-                "from the first rank's drafter training, speculation and history state, with sampling streams of its "
-                "own: training goes on, not as an uninterrupted run would have."
+                f"{folder} was written by {written} process(es); this run has {world_size}. Every rank resumes from "
+                "the first rank's drafter training, speculation and history state, with sampling streams of its own: "
+                "training goes on, not as an uninterrupted run would have."
             )
-            state = torch.load(folder / ROLLOUT_STATE_NAME.format(rank=0), weights_only=True)
             self.load_state_dict({key: value for key, value in state.items() if key != "generator"}, streams=False)
             return
+        path = folder / ROLLOUT_STATE_NAME.format(rank=rank)
         if path.is_file():
             self.load_state_dict(torch.load(path, weights_only=True))
             return

@@ -374,7 +374,7 @@ class TLTGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        self.tlt.save(folder, self.accelerator.process_index, write_drafter=self.args.should_save)
+        self.tlt.save(folder, self.accelerator.process_index, self.args.should_save, self.accelerator.num_processes)
 
     @_parent_without_stack
     def _load_optimizer_and_scheduler(self, checkpoint):

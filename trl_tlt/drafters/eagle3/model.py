@@ -426,8 +426,9 @@ def special_token_ids(policy: PreTrainedModel) -> list[int]:
 
 
 def shift_left(x: torch.Tensor, j: int, fill) -> torch.Tensor:
-    """x[:, t + j] at index t (`fill` past the end), along dim 1."""
+    """x[:, t + j] at index t (`fill` past the end), along dim 1; as long as x (all `fill` for j >= its length)."""
     if j == 0:
         return x
+    j = min(j, x.size(1))
     pad = x.new_full((x.size(0), j, *x.shape[2:]), fill)
     return torch.cat([x[:, j:], pad], dim=1)

@@ -86,17 +86,32 @@ class DataBuffer:
         self.held_out = held_out
         while len(self.rollouts) > self.window:
             self.rollouts.popleft()
-        while self.num_tokens > self.max_tokens or self.feature_bytes > self.max_feature_bytes:
-            self._drop_one()
-
-    def _drop_one(self) -> None:
-        """Over a cap: a held-out sequence if they hold more than their share (1 / HELD_OUT_EVERY) of the features or
-        no training sequence is left, else the oldest training sequence."""
-        held_out_bytes = sum(s.features.nbytes for s in self.held_out if s.features is not None)
-        if self.held_out and (held_out_bytes * HELD_OUT_EVERY > self.feature_bytes or not any(self.rollouts)):
-            self.held_out.pop()
-        elif any(self.rollouts):
+        while self.num_tokens > self.max_tokens and any(self.rollouts):  # tokens: the training sequences'
             next(r for r in self.rollouts if r).pop(0)
+        while self.feature_bytes > self.max_feature_bytes:
+            self._drop_features()
+
+    def _drop_features(self) -> None:
+        """Over the memory cap (held-out sequences included): a held-out sequence with features if they hold more than
+        their share (1 / HELD_OUT_EVERY) of the features or no training sequence has any, else the oldest training
+        sequence with features."""
+        held_out = [s for s in self.held_out if s.features is not None]
+        held_out_bytes = sum(s.features.nbytes for s in held_out)
+        training = next((r for r in self.rollouts if any(s.features is not None for s in r)), None)
+        if held_out and (held_out_bytes * HELD_OUT_EVERY > self.feature_bytes or training is None):
+            rows, gone = self.held_out, held_out[-1]
+        else:
+            rows, gone = training, next(s for s in training if s.features is not None)
+        del rows[next(i for i, s in enumerate(rows) if s is gone)]  # by identity (samples hold tensors)
+
+    def drop_featureless(self) -> int:
+        """Drop the sequences without features (held out or not); returns how many went."""
+        dropped = 0
+        for rollout in (*self.rollouts, self.held_out):
+            kept = [s for s in rollout if s.features is not None]
+            dropped += len(rollout) - len(kept)
+            rollout[:] = kept
+        return dropped
 
     def drop_stale(self, version: int | None) -> None:
         """Drop the sequences whose features the policy computed before `version` (None: nothing to compare)."""

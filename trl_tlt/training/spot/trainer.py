@@ -139,14 +139,18 @@ class SpotTrainer:
 
     def _features(self, policy: PolicyView, samples: list[DrafterSample]):
         """The policy's view of `samples`: what their rollout recorded, or (samples without, e.g. vLLM's rollouts) a
-        forward of the policy over them, counted in `rerun_samples`; a sharded policy (no `model`) is never run: those
-        samples are dropped, counted in `dropped_samples`."""
-        if policy.model is None:
-            kept = [s for s in samples if s.features is not None]
-            self.dropped_samples += len(samples) - len(kept)
-            return [recorded_features(s, self.is_eagle, policy.head_weight.device) for s in kept]
+        forward of the policy over them, counted in `rerun_samples`."""
+        if policy.model is None:  # `_drop_featureless` left only samples with features
+            return [recorded_features(s, self.is_eagle, policy.head_weight.device) for s in samples]
         self.rerun_samples += sum(s.features is None for s in samples)
         return sample_features(policy.model, self.drafter, samples, batch_size=len(samples))
+
+    def _drop_featureless(self, policy: PolicyView) -> None:
+        """A policy that cannot be run here (sharded across processes: its forward is a collective the other ranks
+        would not join) gives no features to samples whose rollout recorded none: they leave the buffer, counted in
+        `dropped_samples`."""
+        if policy.model is None:
+            self.dropped_samples += self.buffer.drop_featureless()
 
     def step(self, policy: PreTrainedModel | PolicyView, preempt=None) -> float | None:
         """One drafter optimizer step on a sample of the buffer; returns its loss, or None if there was nothing to
@@ -154,6 +158,7 @@ class SpotTrainer:
         forward): the step is then dropped whole, the drafter and optimizer untouched."""
         preempt = preempt or (lambda: False)
         policy = PolicyView.of(policy)
+        self._drop_featureless(policy)
         samples = self.buffer.sample(self.tokens_per_step, self.rng)
         features = self._features(policy, samples) if samples else []
         if not features or preempt():
@@ -214,6 +219,7 @@ class SpotTrainer:
         step's worth of tokens; None if there is nothing held out or `preempt()` became true after the policy
         forward."""
         policy = PolicyView.of(policy)
+        self._drop_featureless(policy)
         held_out = take_tokens(self.buffer.held_out, self.tokens_per_step)
         features = self._features(policy, held_out) if held_out else []
         if not features or (preempt is not None and preempt()):
@@ -361,7 +367,7 @@ class SpotTrainer:
         done = barrier.is_completed
         if self.steps_per_phase is None and view is not None and not done() and self.buffer.samples:
             stats.eval_acceptance_length = self.evaluate(view, preempt=done)
-            while not done():
+            while not done() and self.buffer.samples:
                 loss = self.step(view, preempt=done)
                 if loss is None:
                     stats.preempted += 1
