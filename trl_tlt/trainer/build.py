@@ -223,7 +223,8 @@ def modelled_step_cost(drafter: Drafter, policy: PreTrainedModel, k_max: int):
 
 
 def _num_parameters(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    """Its parameters' elements, whole (a ZeRO-3 partitioned parameter's `numel()` is its shard's: `ds_numel`)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
 # ------------------------------------------------------------------------------------------- spot training
