@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from testing_utils import TOOL_CALL, tool_calling_policy
+from testing_utils import TOOL_CALL, assert_same_training, tool_calling_policy
 
 from trl_tlt.tooling.cli import ACCELERATE_CONFIGS
 from trl_tlt.tooling.tiny import build_tiny_model, extend_vocabulary
@@ -53,20 +52,6 @@ def assert_ranks_agree(reports: list[dict]) -> None:
     assert first["global_step"] == second["global_step"] > 0
     assert first["policy_sha256"] == second["policy_sha256"]  # data parallel: bit-identical
     assert first["drafter_sha256"] == second["drafter_sha256"]  # merged after every rollout
-
-
-def assert_same_training(tlt: list[dict], grpo: list[dict], tmp_path: Path, tlt_tag: str, grpo_tag: str) -> None:
-    """Greedy: each rank sampled GRPOTrainer's completions, and the policies trained alike (TLT's length-grouped
-    micro-batches round differently: equal to float round-off, not bit for bit)."""
-    from safetensors.torch import load_file
-
-    for rank in (0, 1):
-        assert tlt[rank]["completions"] == grpo[rank]["completions"] and tlt[rank]["completions"]
-    ours = load_file(tmp_path / f"{tlt_tag}-rank0-policy" / "model.safetensors")
-    theirs = load_file(tmp_path / f"{grpo_tag}-rank0-policy" / "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.fixture(scope="module")

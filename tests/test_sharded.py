@@ -18,6 +18,7 @@ from unittest.mock import MagicMock
 
 import pytest
 import torch
+from testing_utils import assert_same_training
 
 from trl_tlt import TLTGRPOTrainer
 from trl_tlt.tooling.tiny import build_tiny_model
@@ -61,20 +62,22 @@ def policy_dir(tokenizer, tmp_path_factory) -> str:
     return str(path)
 
 
-def assert_same_run(tlt: list[dict], grpo: list[dict], tmp_path: Path, tlt_tag: str, grpo_tag: str) -> None:
-    """Greedy: every rank sampled GRPOTrainer's completions, the sharded policies trained alike (to round-off: TLT's
-    micro-batches are grouped by length), and every rank holds the same drafter, trained."""
-    from safetensors.torch import load_file
-
-    for rank in (0, 1):
-        assert tlt[rank]["completions"] == grpo[rank]["completions"] and tlt[rank]["completions"]
-    ours = load_file(tmp_path / f"{tlt_tag}-rank0-policy" / "model.safetensors")
-    theirs = load_file(tmp_path / f"{grpo_tag}-rank0-policy" / "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
+def assert_same_run(tlt: list[dict], grpo: list[dict], tmp_path: Path) -> None:
+    """Greedy: GRPOTrainer's completions and policy on every rank (`assert_same_training`), every rank holding the same
+    drafter, trained on recorded features only (no policy rerun)."""
+    assert_same_training(tlt, grpo, tmp_path, "tlt", "grpo")
     assert tlt[0]["drafter_sha256"] == tlt[1]["drafter_sha256"] is not None
     assert tlt[0]["drafter_steps"] > 0
+    assert all(report["drafter_rerun_samples"] == 0 for report in tlt)
+
+
+def grpo_then_tlt(tmp_path: Path, common: dict) -> list[dict]:
+    """GRPOTrainer, then TLTGRPOTrainer with spot training, under the same launch (`common`); TLT's reports, the two
+    runs checked alike (`assert_same_run`)."""
+    grpo = run_matrix(tmp_path, "grpo", trainer="grpo", **common)
+    tlt = run_matrix(tmp_path, "tlt", **{**common, "config": {**common["config"], **SPOT}})
+    assert_same_run(tlt, grpo, tmp_path)
+    return tlt
 
 
 def deepspeed_runs() -> bool:
@@ -133,10 +136,7 @@ def test_fsdp2_trainer_runs_in_lockstep_with_spot_training(policy_dir, tmp_path)
         "model_dir": policy_dir, "sharding": "fsdp2", "max_completion_length_by_rank": [6, 12],
         "config": {"max_steps": 3, **GREEDY},
     }  # fmt: skip
-    grpo = run_matrix(tmp_path, "grpo", trainer="grpo", **common)
-    tlt = run_matrix(tmp_path, "tlt", **{**common, "config": {**common["config"], **SPOT}})
-    assert_same_run(tlt, grpo, tmp_path, "tlt", "grpo")
-    assert all(report["drafter_rerun_samples"] == 0 for report in tlt)
+    tlt = grpo_then_tlt(tmp_path, common)
     assert max(tlt[0]["placeholder_shares"]) > 0 and max(tlt[1]["placeholder_shares"]) == 0
 
 
@@ -157,10 +157,7 @@ def test_zero3_trainer_trains_the_drafter_without_gathering_the_policy_again(pol
         "model_dir": policy_dir, "sharding": "zero3", "max_completion_length_by_rank": [1, 12],
         "config": {"max_steps": 3, **GREEDY},
     }  # fmt: skip
-    grpo = run_matrix(tmp_path, "grpo", trainer="grpo", **common)
-    tlt = run_matrix(tmp_path, "tlt", **{**common, "config": {**common["config"], **SPOT}})
-    assert_same_run(tlt, grpo, tmp_path, "tlt", "grpo")
-    assert all(report["drafter_rerun_samples"] == 0 for report in tlt)
+    tlt = grpo_then_tlt(tmp_path, common)
     assert max(tlt[0]["placeholder_shares"]) > 0 and max(tlt[1]["placeholder_shares"]) == 0
 
 

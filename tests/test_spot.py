@@ -149,13 +149,19 @@ def test_budget_follows_acceptance():
     assert rising.share == 1.0
 
 
-def _two_ranks(rank, init_file, results, policy_state):
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _join_with_policy(rank, init_file, policy_state):
+    """This rank of 2 in a gloo group, with the test's tiny policy (`policy_state`)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     tokenizer = build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120)
     policy = build_tiny_model(tokenizer, arch="qwen2", hidden_size=64, num_hidden_layers=3, num_attention_heads=2)
     policy.load_state_dict(policy_state)
+    return policy
+
+
+def _two_ranks(rank, init_file, results, policy_state):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    policy = _join_with_policy(rank, init_file, policy_state)
     policy.eval()
     torch.manual_seed(rank)  # different initial heads: the first-rank broadcast must make them equal
     buffer = DataBuffer(window=2)
@@ -271,11 +277,7 @@ def test_a_rank_that_saw_no_rollout_still_sums_the_token_counts(tmp_path):
 
 def _rank_fails(rank, init_file, results, policy_state, failure):
     """Rank 1 dies (exits) or hangs (past the group's 3 s timeout) while rank 0 waits for it in spot training."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    tokenizer = build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120)
-    policy = build_tiny_model(tokenizer, arch="qwen2", hidden_size=64, num_hidden_layers=3, num_attention_heads=2)
-    policy.load_state_dict(policy_state)
+    policy = _join_with_policy(rank, init_file, policy_state)
     buffer = DataBuffer(window=2)
     buffer.add(*rollout(16, 20, offset=rank))
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
@@ -334,11 +336,7 @@ def test_cold_start_schedule():
 def _one_rank_refuses(rank, init_file, results, policy_state, sharded):
     """Rank 1 went through GRPOTrainer's generation this rollout (`refuse=True`); rank 0 trains while it waits. With
     `sharded`, rank 0 trains on a `PolicyView` (the LM head copied, no policy to run) and rank 1 has none (None)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    tokenizer = build_tokenizer(["12+34=46 the quick brown fox 1 2 3 4 5"] * 10, vocab_size=120)
-    policy = build_tiny_model(tokenizer, arch="qwen2", hidden_size=64, num_hidden_layers=3, num_attention_heads=2)
-    policy.load_state_dict(policy_state)
+    policy = _join_with_policy(rank, init_file, policy_state)
     buffer = DataBuffer(window=2)
     prompts, completions = rollout(16, 20, offset=rank)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))

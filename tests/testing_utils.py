@@ -394,3 +394,17 @@ def tool_calling_policy(tokenizer, answers: dict[str, str] | None = None):
                 optimizer.step()
                 optimizer.zero_grad()
     return model.eval(), tokenizer
+
+
+def assert_same_training(tlt: list[dict], grpo: list[dict], tmp_path: Path, tlt_tag: str, grpo_tag: str) -> None:
+    """Greedy: each rank sampled GRPOTrainer's completions, and the policies trained alike (TLT's length-grouped
+    micro-batches round differently: equal to float round-off, not bit for bit)."""
+    from safetensors.torch import load_file
+
+    for rank in (0, 1):
+        assert tlt[rank]["completions"] == grpo[rank]["completions"] and tlt[rank]["completions"]
+    ours = load_file(tmp_path / f"{tlt_tag}-rank0-policy" / "model.safetensors")
+    theirs = load_file(tmp_path / f"{grpo_tag}-rank0-policy" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
