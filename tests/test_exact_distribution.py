@@ -12,7 +12,7 @@ Covered: chains of 4 sampled drafts under each sampling setting GRPOConfig expos
 the repetition penalty on a left-padded batch, suppressed tokens, with an EOS in the mix), draft trees and hybrid rows
 (sampled learned drafts and one-hot lookups in the same step, in the same row) under two settings each; and mutation
 controls that each must fail: q taken from the previous position, the residual one position off, the left-padded row's
-penalty dropped, the penalty's seen set one position late, a tree backbone's q taken from the depth above.
+padding rule flipped, the penalty's seen set one position late, a tree backbone's q taken from the depth above.
 """
 
 import dataclasses
@@ -27,6 +27,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import trl_tlt.engine.generate as engine_module
 import trl_tlt.engine.rejection_sampler as rejection_module
 from trl_tlt.drafters import HybridDrafter, ModelDrafter, PromptHistory
+from trl_tlt.engine.generate import GENERATE_PENALISES_PADDING
 from trl_tlt.engine.draft import DRAFT_SOURCES
 from trl_tlt.engine.generate import SpeculativeEngine
 from trl_tlt.engine.sampling import SamplingParams, process_logits
@@ -214,8 +215,10 @@ def sample(engine, params, prompts, num_samples=NUM_SAMPLES, padded=False):
 
 
 def law(prompt, params, padded=False):
-    """The exact law of `prompt`'s completions; a row shorter than the padded width has seen the pad token."""
-    seen_extra = (pad_token(),) if padded and len(prompt) < len(PROMPT) and params.uses_repetition_penalty else ()
+    """The exact law of `prompt`'s completions; a row shorter than the padded width has seen the pad token where the
+    installed transformers' `generate` counts the padding (`GENERATE_PENALISES_PADDING`)."""
+    pads = padded and len(prompt) < len(PROMPT) and params.uses_repetition_penalty and GENERATE_PENALISES_PADDING
+    seen_extra = (pad_token(),) if pads else ()
     return exact_completions(tuple(prompt), params, seen_extra)
 
 
@@ -270,7 +273,8 @@ PENALTY = completion_params(repetition_penalty=2.0)
 @pytest.mark.parametrize("num_samples", SAMPLE_SIZES)
 def test_chains_under_the_repetition_penalty_on_left_padded_rows(num_samples, monkeypatch):
     """The repetition penalty on GRPOTrainer's left-padded batch: the short row (padded to len(PROMPT)) has seen the
-    pad token, as `generate` sees it, at the prefill and at every draft position; the full-width row has not. Both
+    pad token where `generate` counts the padding (transformers < 5.23), at the prefill and at every draft position;
+    the full-width row has not. Both
     rows' completions fit their exact laws (the short row's with the pad token seen; that law's first token is
     checked against transformers' `generate` on the padded batch). Guards against the seen set at draft position j
     (context + d_1..d_{j-1}) being built one position off or without the pad."""
@@ -425,15 +429,11 @@ def test_mutation_residual_one_position_off_is_caught(monkeypatch):
     assert pvalue < 1e-6, pvalue
 
 
-def test_mutation_padded_rows_penalty_dropped_is_caught(monkeypatch):
-    """Mutation caught: the engine ignoring `padded_width` (`_prompt_tokens` building the seen set from the unpadded
-    prompt): the short row's pad token is not penalised, unlike with `generate` on the padded batch."""
-    prompt_tokens = engine_module._prompt_tokens
-    monkeypatch.setattr(
-        engine_module,
-        "_prompt_tokens",
-        lambda prompts, vocab, device, padded_width, pad: prompt_tokens(prompts, vocab, device, None, pad),
-    )
+def test_mutation_padded_rows_penalty_rule_flipped_is_caught(monkeypatch):
+    """Mutation caught: the engine applying the other padding rule than the installed transformers' `generate`
+    (counting a short row's left padding as seen where `generate` skips it, or skipping it where `generate` counts it:
+    `GENERATE_PENALISES_PADDING` flipped): the short row's pad token is penalised unlike with `generate`."""
+    monkeypatch.setattr(engine_module, "GENERATE_PENALISES_PADDING", not GENERATE_PENALISES_PADDING)
     per_prompt, _ = sample(chain_engine(pad_token_id=pad_token()), PENALTY, [SHORT_PROMPT, PROMPT], padded=True)
     pvalue = chi_square_pvalue(per_prompt[tuple(SHORT_PROMPT)], law(SHORT_PROMPT, PENALTY, padded=True))
     assert pvalue < 1e-6, pvalue

@@ -246,6 +246,7 @@ def _two_ranks_fitted_vocab(rank, init_file, results, silent_rank=None):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned processes, about 8 s: CI's second stage (the default run keeps one 2-rank test)
 def test_two_ranks_fit_the_draft_vocabulary_alike(tmp_path):
     """Mutation caught: the one-time fit of the draft vocabulary decided by a per-rank count (`total_steps == 0`):
     the rank that trained while waiting kept its 4096 rows, the other fitted 1024, and the next merge all-reduced
@@ -261,6 +262,7 @@ def test_two_ranks_fit_the_draft_vocabulary_alike(tmp_path):
     assert first["steps"] > 0 and torch.equal(first["flat"], second["flat"])
 
 
+@pytest.mark.slow  # two spawned processes, about 8 s: CI's second stage (the default run keeps one 2-rank test)
 def test_a_rank_that_saw_no_rollout_still_sums_the_token_counts(tmp_path):
     """Mutation caught: `_revise_vocab` returning early on a rank with no token counts of its own (a rollout with no
     turn of ours on that rank) while the others all-reduce theirs: the others waited until the group's timeout."""

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
@@ -81,16 +83,21 @@ class _Run:
             drafter.select(rows)
 
 
+# Whether `generate`'s repetition penalty counts a row's left padding as seen: transformers < 5.23 penalises every id of
+# its input, padding included; from 5.23 it skips each row's leading padding (`prompt_ignore_length`, read from the
+# attention mask).
+GENERATE_PENALISES_PADDING = Version(transformers.__version__) < Version("5.23.0")
+
+
 def _prompt_tokens(
     prompts: list[list[int]], vocab: int, device, padded_width: int | None, pad_token_id: int
 ) -> torch.Tensor:
     """(B, V) the tokens each row has seen before its completion, for the repetition penalty: its prompt, and the pad
-    token where `generate` would have left-padded the row (transformers' processor penalises every id of its input,
-    padding included)."""
+    token where `generate` would have left-padded the row and counts that padding (`GENERATE_PENALISES_PADDING`)."""
     seen = torch.zeros((len(prompts), vocab), dtype=torch.bool, device=device)
     for row, prompt in enumerate(prompts):
         seen[row, torch.tensor(prompt, device=device)] = True
-        if padded_width is not None and len(prompt) < padded_width:
+        if GENERATE_PENALISES_PADDING and padded_width is not None and len(prompt) < padded_width:
             seen[row, pad_token_id] = True
     return seen
 
@@ -176,7 +183,8 @@ class SpeculativeEngine:
         """Complete every prompt. Returns completion ids, their processed logprobs and `GenerationStats`.
 
         `padded_width`: sample as `generate` does on these prompts left-padded to this width with `pad_token_id`
-        (GRPOTrainer's batch): under the repetition penalty a shorter row has seen the pad token. None: unpadded.
+        (GRPOTrainer's batch): under the repetition penalty a shorter row has seen the pad token where `generate`
+        counts its padding (transformers < 5.23, `GENERATE_PENALISES_PADDING`). None: unpadded.
         `record_layers`: also return the policy's hidden states at these layers (`LayerTap` ids) for every position
         its forwards computed (`GenerationOutput.features`, what drafter training reads), at most `record_max_bytes`
         of them (`FeatureRecorder`). Nothing sampled changes.
