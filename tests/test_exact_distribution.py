@@ -27,9 +27,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import trl_tlt.engine.generate as engine_module
 import trl_tlt.engine.rejection_sampler as rejection_module
 from trl_tlt.drafters import HybridDrafter, ModelDrafter, PromptHistory
-from trl_tlt.engine.generate import GENERATE_PENALISES_PADDING
 from trl_tlt.engine.draft import DRAFT_SOURCES
-from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.generate import GENERATE_PENALISES_PADDING, SpeculativeEngine
 from trl_tlt.engine.sampling import SamplingParams, process_logits
 from trl_tlt.engine.speculation import FixedSpeculation
 
