@@ -252,3 +252,13 @@ def test_a_models_own_sampling_settings_merge_as_in_generate(tiny_model_dirs, tm
     assert params.repetition_penalty == (penalty.penalty if penalty is not None else 1.0)
     top_k = processors.get("TopKLogitsWarper")
     assert params.top_k == (top_k.top_k if top_k is not None else None)
+
+
+def test_prompt_ids_the_lm_head_does_not_score_are_left_out_of_the_penalty():
+    """An embedding larger than the LM head (prompt or pad ids at or above its width): `generate` drops them from the
+    repetition penalty (they cannot be sampled); the engine's seen set did `seen[row, id]` and raised IndexError."""
+    from trl_tlt.engine.generate import _prompt_tokens
+
+    seen = _prompt_tokens([[1, 9, 3], [2]], 8, "cpu", 3, 9)
+    assert seen[0].nonzero().flatten().tolist() == [1, 3]
+    assert seen[1].nonzero().flatten().tolist() == [2]  # the pad id (9) is not scored either

@@ -176,18 +176,28 @@ def test_kernels_ship_inside_the_package(tmp_path):
     assert "trl_tlt/tooling/accelerate_configs/zero3.yaml" in names  # package data of the CLI
 
 
-def test_the_repository_root_does_not_shadow_hugging_faces_kernels():
-    """Run from the repository root (on sys.path), `import kernels` is Hugging Face's package where one is installed
+@pytest.mark.parametrize("spelling", ["cwd", "symlink"])
+def test_the_repository_root_does_not_shadow_hugging_faces_kernels(tmp_path, spelling):
+    """Run from the repository root (on sys.path), also under a second spelling (a symlink to it on PYTHONPATH, which
+    once made each copy import the other forever), `import kernels` is Hugging Face's package where one is installed
     (transformers >= 5.18 imports it) and never this repository's kernels: transformers imports as usual."""
+    from importlib.machinery import PathFinder
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = "import kernels, transformers.modeling_utils; print(kernels.__file__, hasattr(kernels, 'verify_triton'))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, check=True, capture_output=True, text=True)
+    env = dict(os.environ)
+    if spelling == "symlink":
+        os.symlink(root, tmp_path / "link")
+        env["PYTHONPATH"] = str(tmp_path / "link")
+    code = (
+        "import kernels, transformers.modeling_utils; from transformers.utils import is_kernels_available; "
+        "is_kernels_available(); print(kernels.__file__, hasattr(kernels, 'verify_triton'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=True, capture_output=True, text=True)
     path, has_ours = out.stdout.split()
     assert has_ours == "False"
-    hf_installed = any(
-        os.path.exists(os.path.join(p, "kernels", "__init__.py")) for p in sys.path if p and os.path.abspath(p) != root
-    )
-    assert (not path.startswith(root)) == hf_installed, out.stdout
+    others = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.realpath(root)]
+    hf_installed = PathFinder.find_spec("kernels", others) is not None
+    assert (not os.path.realpath(path).startswith(os.path.realpath(root))) == hf_installed, out.stdout
 
 
 def test_micro_benchmark_script_runs(tmp_path):

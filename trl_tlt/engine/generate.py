@@ -85,19 +85,22 @@ class _Run:
 
 # Whether `generate`'s repetition penalty counts a row's left padding as seen: transformers < 5.23 penalises every id of
 # its input, padding included; from 5.23 it skips each row's leading padding (`prompt_ignore_length`, read from the
-# attention mask).
-GENERATE_PENALISES_PADDING = Version(transformers.__version__) < Version("5.23.0")
+# attention mask). Pre-releases count as their release (5.23.0.dev0 as 5.23.0).
+GENERATE_PENALISES_PADDING = Version(Version(transformers.__version__).base_version) < Version("5.23.0")
 
 
 def _prompt_tokens(
     prompts: list[list[int]], vocab: int, device, padded_width: int | None, pad_token_id: int
 ) -> torch.Tensor:
     """(B, V) the tokens each row has seen before its completion, for the repetition penalty: its prompt, and the pad
-    token where `generate` would have left-padded the row and counts that padding (`GENERATE_PENALISES_PADDING`)."""
+    token where `generate` would have left-padded the row and counts that padding (`GENERATE_PENALISES_PADDING`).
+    Ids the LM head does not score (an embedding larger than it) cannot be penalised: left out, as `generate` does."""
     seen = torch.zeros((len(prompts), vocab), dtype=torch.bool, device=device)
     for row, prompt in enumerate(prompts):
-        seen[row, torch.tensor(prompt, device=device)] = True
-        if GENERATE_PENALISES_PADDING and padded_width is not None and len(prompt) < padded_width:
+        ids = torch.tensor(prompt, dtype=torch.long, device=device)
+        seen[row, ids[ids < vocab]] = True
+        pads = GENERATE_PENALISES_PADDING and padded_width is not None and len(prompt) < padded_width
+        if pads and pad_token_id < vocab:
             seen[row, pad_token_id] = True
     return seen
 
