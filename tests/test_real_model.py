@@ -57,6 +57,8 @@ def test_completion_entropy_is_that_of_the_policys_next_token_distribution():
     p = torch.softmax(logits.double(), -1)
     expected = float(-(p * p.log()).sum())
     assert completion_entropy(Fixed(logits), [[1], [2, 3]], [[4, 5], []]) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="prompt of at least one token"):
+        completion_entropy(Fixed(logits), [[]], [[3, 4, 5]])
 
 
 def test_the_recipe_is_its_cache_key():

@@ -173,6 +173,8 @@ def completion_entropy(policy, prompts: list[list[int]], completions: list[list[
         for prompt, completion in zip(prompts, completions, strict=True):
             if not completion:
                 continue
+            if not prompt:  # position -1 would predict the first completion token: nothing does
+                raise ValueError("completion_entropy needs a prompt of at least one token before each completion.")
             logits = policy(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
             logp = torch.log_softmax(logits, dim=-1)
             total += float(-(logp.exp() * logp).sum())
