@@ -10,9 +10,7 @@ embedded task's problems, in words): its answers run from a few lines to the len
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
-import json
 import random
 import re
 from dataclasses import dataclass
@@ -127,7 +125,7 @@ def real_regime_policy_path(recipe: RealRegimeRecipe | None = None, verbose: boo
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .workload.builds import deterministic_build, train_sft
+    from .workload.builds import deterministic_build, save_build, train_sft
 
     recipe = recipe or RealRegimeRecipe()
     folder = default_cache_dir() / f"smollm2-135m-real-regime-{recipe.key()}"
@@ -155,11 +153,7 @@ def real_regime_policy_path(recipe: RealRegimeRecipe | None = None, verbose: boo
     with deterministic_build(recipe.seed):
         model = AutoModelForCausalLM.from_pretrained(base)
         model = train_sft(model, tokenizer, data, recipe.batch_size, recipe.learning_rate, recipe.seed, verbose)
-    tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
-    tmp.rename(folder)
+    save_build(model, tokenizer, folder, recipe)
     return str(folder)
 
 
@@ -167,6 +161,7 @@ def completion_entropy(policy, prompts: list[list[int]], completions: list[list[
     """Mean entropy, in nats, of the policy's next-token distribution (temperature 1, unprocessed) at every position
     that predicts a completion token: what a drafter is up against."""
     import torch
+    from trl.trainer.utils import entropy_from_logits
 
     total, count = 0.0, 0
     with torch.no_grad():
@@ -176,8 +171,7 @@ def completion_entropy(policy, prompts: list[list[int]], completions: list[list[
             if not prompt:  # position -1 would predict the first completion token: nothing does
                 raise ValueError("completion_entropy needs a prompt of at least one token before each completion.")
             logits = policy(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
-            logp = torch.log_softmax(logits, dim=-1)
-            total += float(-(logp.exp() * logp).sum())
+            total += float(entropy_from_logits(logits).sum())  # as GRPOTrainer's logged `entropy`
             count += len(completion)
     return total / max(count, 1)
 

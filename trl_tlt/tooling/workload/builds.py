@@ -97,6 +97,16 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_tlt"
 
 
+def save_build(model, tokenizer, path: Path, recipe) -> None:
+    """Save a built model, its tokenizer and `recipe` (a dataclass) at `path`, atomically: written beside it, then
+    renamed, so that a half-built model is never picked up."""
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+    tmp.rename(path)
+
+
 def sft_dataset(recipe: PolicyRecipe) -> Dataset:
     """The SFT data of the recipe (prompt/completion conversations); also the warm-start data for drafters."""
     return make_dataset(recipe.num_sft_examples, seed=recipe.seed + 1, task=recipe.sft_task, with_solutions=True)
@@ -208,11 +218,7 @@ def _build_sft_model(path: Path, tokenizer, num_hidden_layers: int, recipe: Poli
             model, tokenizer, data, recipe.sft_batch_size, recipe.sft_learning_rate, recipe.seed, verbose
         )
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
-    tmp.rename(path)  # atomic: a half-built model is never picked up
+    save_build(model, tokenizer, path, recipe)
     if verbose:
         print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
     return path
@@ -414,12 +420,6 @@ def _fine_tune_drift(base: Path, path: Path, recipe: DriftRecipe, verbose: bool)
         steps_prompt_fraction=recipe.steps_prompt_fraction,
     )
     model = train_sft(model, tokenizer, data, recipe.batch_size, recipe.learning_rate, recipe.seed, verbose)
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "recipe.json").write_text(
-        json.dumps(dataclasses.asdict(dataclasses.replace(recipe, drafter=None)), indent=2)
-    )
-    tmp.rename(path)
+    save_build(model, tokenizer, path, dataclasses.replace(recipe, drafter=None))
     if verbose:
         print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
