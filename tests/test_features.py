@@ -98,6 +98,98 @@ def test_keeping_only_the_heads_layers_changes_nothing_sampled(policy):
     assert outs[0].stats.num_accepted_tokens == outs[1].stats.num_accepted_tokens
 
 
+def test_features_from_a_padded_forward_are_each_sequences_own(policy):
+    """`SequenceFeatures` records, from one forward over left- and right-padded rows (the layout of GRPOTrainer's
+    batch, which the check of vLLM's samples runs over), each row's states at every position but the last: equal to
+    a forward over the row alone. A row is claimed by its tokens or by a prefix (a tool turn's row); a row with a hole
+    in its mask, or past the memory bound, is not recorded. Mutation: keep the positions the mask leaves out (the
+    padding) and the states misalign."""
+    from trl_tlt.engine.features import SequenceFeatures
+
+    rows = [[5, 9, 17, 3, 40], [8, 21, 22], [30, 31, 32, 33]]
+    prompt_width, completion_width = 3, 3
+    ids = torch.zeros((4, prompt_width + completion_width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    split = [3, 1, 2]  # each row's prompt length: prompts left-padded, completions right-padded
+    for i, (row, p) in enumerate(zip(rows, split, strict=True)):
+        ids[i, prompt_width - p : prompt_width + len(row) - p] = torch.tensor(row)
+        mask[i, prompt_width - p : prompt_width + len(row) - p] = 1
+    ids[3], mask[3] = torch.tensor([4, 5, 6, 7, 8, 9]), torch.tensor([1, 1, 0, 1, 1, 1])  # a hole
+    layers = [1, 3, 4]
+    sink = SequenceFeatures(layers)
+    with torch.no_grad(), sink.recording(policy):
+        policy(input_ids=ids, attention_mask=mask)
+    for row in rows:
+        reference = policy(torch.tensor([row]), output_hidden_states=True).hidden_states
+        expected = torch.stack([reference[i][0, :-1] for i in layers], dim=1)
+        torch.testing.assert_close(sink.claim(row), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sink.claim(rows[0][:3]), sink.claim(rows[0])[:2])  # a prefix: its own positions
+    assert sink.claim([4, 5, 6, 7, 8, 9]) is None and sink.claim([7, 8, 9]) is None  # the row with a hole
+    assert sink.claim([5, 9, 18]) is None
+    bounded = SequenceFeatures(layers, max_bytes=sink.claim(rows[0]).nbytes)
+    with torch.no_grad(), bounded.recording(policy):
+        policy(input_ids=ids, attention_mask=mask)
+    assert bounded.claim(rows[0]) is not None and bounded.claim(rows[1]) is None and bounded.num_bytes <= bounded.max_bytes
+
+
+def test_padding_a_packed_row_changes_no_loss_or_gradient(policy):
+    """`pack(pad_to_multiple_of=)` (what a bf16 drafter step uses, so that oneDNN meets few shapes): the padding is
+    attended by no sample and in no loss. Mutation: give padding a sample id and the loss changes."""
+    from trl_tlt.training.distillation import eagle3_loss, pack
+
+    torch.manual_seed(0)
+    head = Eagle3Model.for_policy(policy)
+    prompts, completions, features = recorded_rollout(policy, head, rows=3)
+    samples = [DrafterSample(p + c, len(p), f, 0) for p, c, f in zip(prompts, completions, features, strict=True)]
+    views = [recorded_features(s, True, "cpu") for s in samples]
+    weight = policy.get_output_embeddings().weight
+    results = []
+    for multiple in (1, 64):
+        (row,) = pack(views, 1 << 20, pad_to_multiple_of=multiple)
+        assert row.input_ids.size(1) % multiple == 0
+        head.zero_grad()
+        loss, _ = eagle3_loss(head, weight, row, DistillConfig(ttt_length=3), agreement=False)
+        loss.backward()
+        results.append((loss.detach(), head.fc.weight.grad.clone()))
+    assert results[1][0] == pytest.approx(float(results[0][0]), rel=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
+
+
+def test_a_bf16_drafter_step_trains_float32_weights_to_the_same_loss(policy):
+    """`autocast_dtype=torch.bfloat16` (`spot_precision`): the weights and optimizer stay float32, the losses follow
+    float32's within bf16's rounding, and the head learns. Mutation: cast the head to bf16 instead and its weights'
+    dtype changes."""
+    torch.manual_seed(0)
+    head = Eagle3Model.for_policy(policy)
+    prompts, completions, features = recorded_rollout(policy, head)
+    losses = {}
+    for dtype in (None, torch.bfloat16):
+        spot = SpotTrainer(
+            Eagle3Model.for_policy(policy), DataBuffer(window=1), schedule=SpotSchedule(learning_rate=1e-3), seed=0,
+            autocast_dtype=dtype,
+        )  # fmt: skip
+        spot.drafter.load_state_dict(head.state_dict())
+        spot.observe_rollout(prompts, completions, features, version=0)
+        losses[dtype] = [spot.step(policy) for _ in range(12)]
+        assert all(p.dtype == torch.float32 for p in spot.drafter.parameters())
+    assert losses[torch.bfloat16] == pytest.approx(losses[None], abs=0.1 * losses[None][0])
+    assert losses[torch.bfloat16][-1] < losses[torch.bfloat16][0]
+
+
+def test_bf16_matrix_units_are_detected_per_device(monkeypatch):
+    """`spot_precision="auto"`: bf16 where the device multiplies bf16 natively, float32 elsewhere."""
+    from trl_tlt.trainer.build import has_bf16_matrix_units
+
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False, raising=False)
+    assert not has_bf16_matrix_units(torch.device("cpu"))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert has_bf16_matrix_units(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert not has_bf16_matrix_units(torch.device("cuda"))
+    assert not has_bf16_matrix_units(torch.device("meta"))
+
+
 # ------------------------------------------------------------------------------------------ spot training
 def recorded_rollout(policy, head, rows=8, seed=0):
     prompts = [[3 + (seed + i) % 50, 9, 17 + i] for i in range(rows)]

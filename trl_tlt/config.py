@@ -13,6 +13,7 @@ DRAFTER_TYPES = ("eagle3", "model", "ngram", "none")
 VLLM_DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 SELECTORS = ("bandit", "fixed")
 MICRO_BATCHING = ("length_grouped", "trimmed", "padded")
+SPOT_PRECISIONS = ("auto", "bf16", "fp32")
 
 
 def field_docs(doc: str) -> dict[str, tuple[str, str]]:
@@ -129,6 +130,12 @@ class TLTConfig(GRPOConfig):
             Drafter steps of a new head's cold start: the learning rate starts at 2e-3 (what offline warm starts use)
             and follows a cosine down to `spot_learning_rate` over this many drafter steps. `None`: 600 for a new
             EAGLE-3 head (no `drafter_model_name_or_path`), 0 (no cold start) for a warm-started head or a drafter LM.
+        spot_precision (`str`, *optional*, defaults to `"auto"`):
+            Precision of a drafter step's matrix products: `"bf16"` (autocast; the loss's log-softmax, the weights,
+            their gradients and the optimizer stay float32), `"fp32"`, or `"auto"`: bf16 where the drafter's device
+            has bf16 matrix units (a CUDA GPU that supports bf16, a CPU with AMX or AVX512-BF16), fp32 elsewhere. On 2
+            AMX cores a head step from recorded features costs about two thirds of its float32 time for the same
+            acceptance (docs/benchmarks/real_regime_cpu.json).
         > Parameters that control the training phase
 
         micro_batching (`str`, *optional*, defaults to `"length_grouped"`):
@@ -182,6 +189,9 @@ class TLTConfig(GRPOConfig):
         default=None, metadata={"help": _help(__doc__, "spot_steps_per_rollout")}
     )
     spot_cold_start_steps: int | None = field(default=None, metadata={"help": _help(__doc__, "spot_cold_start_steps")})
+    spot_precision: str = field(
+        default="auto", metadata={"help": _help(__doc__, "spot_precision"), "choices": list(SPOT_PRECISIONS)}
+    )
     micro_batching: str = field(
         default="length_grouped", metadata={"help": _help(__doc__, "micro_batching"), "choices": list(MICRO_BATCHING)}
     )
@@ -210,6 +220,8 @@ class TLTConfig(GRPOConfig):
             raise ValueError(f"`speculative_selector` must be one of {SELECTORS}, got {self.speculative_selector!r}.")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"`num_speculative_tokens` must be >= 1, got {self.num_speculative_tokens}.")
+        if self.spot_precision not in SPOT_PRECISIONS:
+            raise ValueError(f"`spot_precision` must be one of {SPOT_PRECISIONS}, got {self.spot_precision!r}.")
         if self.micro_batching not in MICRO_BATCHING:
             raise ValueError(f"`micro_batching` must be one of {MICRO_BATCHING}, got {self.micro_batching!r}.")
         if not 0 <= self.selector_epsilon <= 1:

@@ -8,9 +8,12 @@ runs the policy again.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
+
+from .kv_cache import LayerTap
 
 
 class FeatureRecorder:
@@ -75,3 +78,75 @@ class FeatureRecorder:
             rows.append(states if len(states) == n else states[:n].clone())  # drafts kept past an EOS: cut off
         self.num_bytes = 0
         return rows
+
+
+class SequenceFeatures:
+    """The policy's hidden states at `layers` over whole sequences, taken from a forward that runs anyway (the check
+    of vLLM's samples, at the rollout's weights), for a rollout's rows to claim by their tokens: drafter training then
+    runs no forward of its own over rollouts the engine did not record (vLLM's).
+
+    Args:
+        layers: Layer ids, as `FeatureRecorder`'s.
+        device: Where the states are kept (host memory by default).
+        max_bytes: What they may hold at most (None: no bound); rows past it are not recorded (their drafter training
+            runs the policy, as before).
+
+    Example:
+        >>> sink = SequenceFeatures([1, 3, 5, 6])
+        >>> with sink.recording(policy):
+        ...     policy(input_ids=ids, attention_mask=mask)
+        >>> sink.claim(prompt + completion)  # (len - 1, 4, H), or None
+    """
+
+    def __init__(self, layers: Sequence[int], device: str | torch.device = "cpu", max_bytes: int | None = None):
+        self.layers, self.device, self.max_bytes = tuple(layers), torch.device(device), max_bytes
+        self.num_bytes = 0
+        self._rows: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def recording(self, model):
+        """Within it, every forward of `model` called with `input_ids` and `attention_mask` records its rows. A model
+        whose layers cannot be tapped (`LayerTap.supported`) records nothing."""
+        tap = LayerTap(model, self.layers)
+        if not tap.supported:
+            yield
+            return
+        with tap.capture() as states:
+
+            def hook(module, args, kwargs, output):
+                ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+                if ids is not None and mask is not None and all(i in states for i in self.layers):
+                    self.record(ids, mask, states)
+
+            handle = model.register_forward_hook(hook, with_kwargs=True)
+            try:
+                yield
+            finally:
+                handle.remove()
+
+    def record(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden_states) -> None:
+        """One forward's rows (`input_ids`, `attention_mask`: (B, T), padded on either side; `hidden_states[layer]`:
+        (B, T, H)). A row whose mask is not one run of ones (a hole changes the positions after it) is skipped."""
+        states = torch.stack([hidden_states[i] for i in self.layers], dim=2)  # (B, T, m, H)
+        for ids, mask, row in zip(input_ids, attention_mask.bool(), states, strict=True):
+            where = mask.nonzero().flatten().tolist()
+            if len(where) < 2 or where[-1] - where[0] + 1 != len(where):
+                continue
+            start, end = where[0], where[-1] + 1
+            size = (end - start - 1) * row[0].numel() * row.element_size()
+            if self.max_bytes is not None and self.num_bytes + size > self.max_bytes:
+                return
+            self.num_bytes += size
+            self._rows[tuple(ids[start:end].tolist())] = row[start : end - 1].to(self.device, copy=True)
+
+    def claim(self, tokens: Sequence[int]) -> torch.Tensor | None:
+        """The states of the sequence `tokens` at every position but the last, (len(tokens) - 1, m, H): those of a
+        recorded row equal to it, or beginning with it (a causal policy's states at a prefix are the prefix's own: a
+        tool turn's rows are prefixes of the final ones); None where no recorded row covers it."""
+        key = tuple(tokens)
+        if key in self._rows:
+            return self._rows[key]
+        for row_tokens, states in self._rows.items():
+            if len(row_tokens) > len(key) and row_tokens[: len(key)] == key:
+                return states[: len(key) - 1].clone()
+        return None

@@ -244,6 +244,7 @@ def build_spot_trainer(args: TLTConfig, drafter, accelerator, use_vllm: bool) ->
     if cold_steps is None:  # a new EAGLE-3 head starts cold; a warm-started head or a drafter LM does not
         cold_steps = COLD_START_STEPS if new_head else 0
     reduced_vocab = new_head and drafter.config.draft_vocab_size < drafter.config.vocab_size
+    bf16 = args.spot_precision == "bf16" or (args.spot_precision == "auto" and has_bf16_matrix_units(drafter.device))
     return SpotTrainer(
         drafter,
         DataBuffer(args.spot_buffer_steps, args.spot_buffer_max_tokens, args.spot_buffer_max_memory_mb << 20),
@@ -257,7 +258,19 @@ def build_spot_trainer(args: TLTConfig, drafter, accelerator, use_vllm: bool) ->
         vocab=DraftVocabulary(drafter.config.vocab_size, drafter.config.draft_vocab_size) if reduced_vocab else None,
         # vLLM loads the head once, at its size: only trl-tlt's engine takes a head resized to the policy's tokens
         fit_vocab=args.draft_vocab_size is None and not use_vllm,
+        autocast_dtype=torch.bfloat16 if bf16 else None,
     )
+
+
+def has_bf16_matrix_units(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 matrices natively: a CUDA GPU that supports bf16, a CPU with AMX or AVX512-BF16
+    (where `spot_precision="auto"` trains the drafter in bf16)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":  # private probes of torch.cpu (torch >= 2.3); absent: no
+        probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+        return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------- vLLM

@@ -25,6 +25,7 @@ from ..drafters import HybridDrafter, PromptHistory
 from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from ..drafters.model import ModelDrafter
 from ..engine import Drafter, FixedSpeculation, GenerationOutput, SamplingParams, SpeculationPolicy, SpeculativeEngine
+from ..engine.features import SequenceFeatures
 from ..engine.sharding import PolicyWeights
 from ..engine.stats import GenerationStats
 from ..training.distillation import PolicyView
@@ -96,6 +97,8 @@ class RolloutStack:
     policy_weights: PolicyWeights | None = None  # a sharded policy's embedding and LM head, copied by the last turn
     turns: list[RolloutTurn] | None = None  # the current rollout's generation turns (None: none open)
     rollout_speculated: bool = False  # whether vLLM may have speculated in the latest rollout (the check's cue)
+    defer_spot_training: bool = False  # vLLM: the rollout's drafter training waits for the check's forward
+    deferred_turns: list[RolloutTurn] | None = None  # the turns it waits with
     last_stats: GenerationStats | None = None  # of the engine's latest turn
     last_spot: SpotStats | None = None  # of the latest spot phase
     last_vllm_stats: dict[str, float] | None = None  # vLLM's acceptance over its latest turn
@@ -193,6 +196,22 @@ class RolloutStack:
     def record(self, turn: RolloutTurn) -> None:
         if self.turns is not None:
             self.turns.append(turn)
+
+    def feature_sink(self, policy: PreTrainedModel, version: int | None) -> SequenceFeatures:
+        """Where a forward of the policy over this rollout's samples records the hidden states drafter training reads
+        (vLLM's rollouts, which the engine did not record), within what the buffer's memory cap leaves once the
+        features older than policy `version` are dropped."""
+        self.spot.buffer.drop_stale(version)
+        budget = max(self.spot.buffer.max_feature_bytes - self.spot.buffer.feature_bytes, 0)
+        return SequenceFeatures(self.spot.feature_layers(policy), max_bytes=budget)
+
+    @staticmethod
+    def with_features(turns: list[RolloutTurn], sink: SequenceFeatures) -> list[RolloutTurn]:
+        """The turns, each row with the states `sink` recorded of its prompt + completion (None where it has none)."""
+        return [
+            turn._replace(features=[sink.claim([*p, *c]) for p, c in zip(turn.prompt_ids, turn.completion_ids)])
+            for turn in turns
+        ]
 
     def remember(self, turns: list[RolloutTurn]) -> None:
         """The rollout's turns into the prompt history (the hybrid drafter's lookups), once per rollout, training only."""

@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sized
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from trl.trainer import grpo_trainer
 
 from .._swap import swapped
 from ..config import TLTConfig, as_tlt_config
+from ..engine.features import SequenceFeatures
 from ..engine.kv_cache import ragged_cache_mismatch
 from ..engine.sharding import policy_is_sharded
 from ..training.micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
@@ -217,15 +218,22 @@ class TLTGRPOTrainer(GRPOTrainer):
             return
         stack.remember(turns)
         if stack.spot is not None and not (self.use_vllm and not self.vllm_generation.speculating):
-            with profiling_context(self, "tlt.spot_training"):
-                spot = self._train_drafter(turns)
-            if spot is not None:
-                self._log(spot_metrics(spot, stack.spot))
-            if spot is not None and self.use_vllm:
-                with profiling_context(self, "tlt.sync_drafter"):
-                    self.vllm_generation.sync_drafter()
+            if stack.defer_spot_training:
+                stack.deferred_turns = turns  # trained after the check's forward, on its hidden states
+            else:
+                self._spot_phase(turns)
         if stack.watchdog is not None:
             self._watch_vllm_drafter(turns)
+
+    def _spot_phase(self, turns: list[RolloutTurn]) -> None:
+        """Spot training on the rollout's turns, its metrics logged, the drafter pushed into vLLM."""
+        with profiling_context(self, "tlt.spot_training"):
+            spot = self._train_drafter(turns)
+        if spot is not None:
+            self._log(spot_metrics(spot, self.tlt.spot))
+        if spot is not None and self.use_vllm:
+            with profiling_context(self, "tlt.sync_drafter"):
+                self.vllm_generation.sync_drafter()
 
     def _train_drafter(self, turns: list[RolloutTurn]):
         """Spot training on this rollout. A sharded policy is never gathered here (a collective: this rank would wait
@@ -278,8 +286,27 @@ class TLTGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         logged = {key: list(values) for key, values in self._metrics[mode].items()}
         tokens_seen = self.state.num_input_tokens_seen
-        output = super()._generate_and_score_completions(inputs)
-        check = self._check_vllm_samples(output)
+        stack = self.tlt
+        # Spot training on vLLM's rollouts waits for the check below, whose forward over the batch records the hidden
+        # states it trains on (no forward of its own), and trains only on samples that passed the check. Not where it
+        # trains in the ranks' idle time (several processes, no `spot_steps_per_rollout`): that time is before it.
+        stack.defer_spot_training = (
+            self.model.training
+            and stack.spot is not None
+            and self.vllm_generation.speculating
+            and (stack.spot.group is None or stack.spot.steps_per_phase is not None)
+        )
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            stack.defer_spot_training = False
+        turns, stack.deferred_turns = stack.deferred_turns, None
+        sink = None
+        if turns is not None:
+            sink = stack.feature_sink(self.accelerator.unwrap_model(self.model), self.state.global_step)
+        check = self._check_vllm_samples(output, sink)
+        if turns is not None and not (check is not None and check.faulty):
+            self._spot_phase(turns if sink is None else stack.with_features(turns, sink))
         if check is not None and check.faulty and self.args.vllm_mode == "server":
             raise RuntimeError(
                 f"The vLLM server's samples failed the check of the policy's ({check.describe()}): they may not be "
@@ -301,16 +328,20 @@ class TLTGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["tlt/vllm_sample_z"].append(check.z)
         return output
 
-    def _check_vllm_samples(self, output: dict) -> SampleMoments | None:
+    def _check_vllm_samples(self, output: dict, sink: SequenceFeatures | None = None) -> SampleMoments | None:
         """The check of trl_tlt/vllm/check.py over every rank's batch, where any rank's vLLM may have speculated in this
         rollout (None where none did: vLLM sampled without a drafter, as GRPOTrainer's vLLM does). Every rank runs it:
-        a gather, then a forward over its batch and a sum over ranks."""
+        a gather, then a forward over its batch (recording the hidden states drafter training reads into `sink`) and a
+        sum over ranks."""
         device = self.accelerator.device
         speculated = torch.tensor([float(self.tlt.rollout_speculated)], device=device)
         if not bool(self.accelerator.gather(speculated).any()):
             return None
         params = vllm_sampling_params(self.vllm_generation)
-        with self._unwrapped_for_generation() as unwrapped_model:  # eval mode: no dropout in the policy's forward
+        with (
+            self._unwrapped_for_generation() as unwrapped_model,  # eval mode: no dropout in the policy's forward
+            sink.recording(unwrapped_model) if sink is not None else nullcontext(),
+        ):
             local = policy_sample_moments(unwrapped_model, output, params, self.args.per_device_train_batch_size)
         return SampleMoments.from_tensor(self.accelerator.reduce(local.as_tensor(device), "sum").cpu())
 

@@ -159,8 +159,9 @@ class PackedBatch:
     loss_mask: torch.Tensor  # (B, T) bool
 
 
-def pack(features: list[Features], max_tokens: int) -> list[PackedBatch]:
-    """First-fit packing of samples into rows of at most `max_tokens` (longer samples get a row of their own)."""
+def pack(features: list[Features], max_tokens: int, pad_to_multiple_of: int = 1) -> list[PackedBatch]:
+    """First-fit packing of samples into rows of at most `max_tokens` (longer samples get a row of their own), each
+    row padded to a multiple of `pad_to_multiple_of` (padding: `seq_ids` 0, attended by nothing else, in no loss)."""
     rows: list[list[Features]] = []
     sizes: list[int] = []
     for f in sorted(features, key=lambda f: -len(f.sample.token_ids)):
@@ -174,10 +175,10 @@ def pack(features: list[Features], max_tokens: int) -> list[PackedBatch]:
             rows.append([f])
             sizes.append(n)
     # One row per batch: rows are already up to max_tokens long.
-    return [_pack_row(row) for row in rows]
+    return [_pack_row(row, pad_to_multiple_of) for row in rows]
 
 
-def _pack_row(row: list[Features]) -> PackedBatch:
+def _pack_row(row: list[Features], pad_to_multiple_of: int = 1) -> PackedBatch:
     ids, aux, teacher, pos, seq, mask = [], [], [], [], [], []
     for sid, f in enumerate(row, start=1):
         tokens, n, p = f.sample.token_ids, len(f.sample.token_ids) - 1, f.sample.prompt_length
@@ -188,6 +189,14 @@ def _pack_row(row: list[Features]) -> PackedBatch:
         seq.append(torch.full((n,), sid))
         t = torch.arange(n)
         mask.append((t >= p - 2) & (t <= n - 2))  # predicted token t+2 is a completion token, inside the sample
+    padding = -sum(map(len, ids)) % pad_to_multiple_of
+    if padding:
+        ids.append(torch.zeros(padding, dtype=torch.long))
+        aux.append(aux[0].new_zeros((padding, aux[0].size(-1))))
+        teacher.append(teacher[0].new_zeros((padding, teacher[0].size(-1))))
+        pos.append(torch.zeros(padding, dtype=torch.long))
+        seq.append(torch.zeros(padding, dtype=torch.long))
+        mask.append(torch.zeros(padding, dtype=torch.bool))
     device = aux[0].device
     return PackedBatch(
         input_ids=torch.cat(ids)[None].to(device),

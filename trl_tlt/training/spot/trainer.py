@@ -30,6 +30,8 @@ from .stats import SpotStats
 
 logger = logging.get_logger(__name__)
 
+AUTOCAST_ROW_MULTIPLE = 64  # a drafter step's packed row, padded to a multiple of it under autocast
+
 
 class SpotTrainer:
     """Online drafter training (EAGLE-3 head or small LM) on a `DataBuffer` of the policy's rollouts.
@@ -48,6 +50,9 @@ class SpotTrainer:
             time (several), None: those decide.
         vocab: A new EAGLE-3 head's draft vocabulary, revised from the rollouts' token counts (None: kept as it is).
         fit_vocab: Size `vocab` to the tokens the policy uses at the first rollout.
+        autocast_dtype: Run the drafter's training forward and backward under `torch.autocast` in this dtype
+            (`torch.bfloat16`: matrix products on bf16 units; the loss's log-softmax, the weights, their gradients and
+            the optimizer stay float32), None: float32 throughout. `evaluate` always runs in the weights' dtype.
 
     Example:
         >>> spot = SpotTrainer(head, DataBuffer(window=2), tokens_per_step=256)
@@ -68,8 +73,10 @@ class SpotTrainer:
         steps_per_phase: int | None = None,
         vocab: DraftVocabulary | None = None,
         fit_vocab: bool = False,
+        autocast_dtype: torch.dtype | None = None,
     ):
         self.drafter, self.buffer, self.group = drafter, buffer, group
+        self.autocast_dtype = autocast_dtype
         self.schedule = schedule or SpotSchedule()
         self.budget = budget or SpotBudget()
         self.steps_per_phase = steps_per_phase
@@ -112,7 +119,11 @@ class SpotTrainer:
         if not self.params:
             raise ValueError("The drafter has no trainable parameters: nothing for spot training to train.")
         # The schedule gives the absolute rate: the optimizer's base rate is 1.
-        self.optimizer = torch.optim.AdamW(self.params, lr=1.0, betas=(0.9, 0.95), weight_decay=0.0)
+        # fused: one kernel for every parameter (on 2 CPU cores 6x faster than the per-tensor loop on a 5.7M head)
+        fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in self.params)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=1.0, betas=(0.9, 0.95), weight_decay=0.0, fused=fused or None
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.learning_rate_at)
 
     @property
@@ -123,8 +134,16 @@ class SpotTrainer:
     def _loss(self, policy: PolicyView, features, agreement: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
         head_weight = policy.head_weight
         if self.is_eagle:  # one packed row: the sample is already at most tokens_per_step long
-            return eagle3_loss(self.drafter, head_weight, pack(features, 1 << 62)[0], self.config, agreement)
+            # Under autocast, rows padded to a few widths: oneDNN builds a bf16 kernel per matrix shape it meets.
+            multiple = AUTOCAST_ROW_MULTIPLE if self.autocast_dtype is not None else 1
+            row = pack(features, 1 << 62, pad_to_multiple_of=multiple)[0]
+            return eagle3_loss(self.drafter, head_weight, row, self.config, agreement)
         return lm_distill_loss(self.drafter, head_weight, features, self.config.chunk_size)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.drafter.device.type, dtype=self.autocast_dtype)
 
     @property
     def wants_features(self) -> bool:
@@ -165,7 +184,7 @@ class SpotTrainer:
             return None
         self.drafter.train()
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), self._autocast():
                 loss, _ = self._loss(policy, features)
                 if preempt():
                     return None
