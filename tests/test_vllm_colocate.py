@@ -45,6 +45,9 @@ def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenize
     assert trainer.tlt_last_vllm_stats["verify_steps"] > 0  # 8 running sequences <= 32: vLLM speculated
     # The drafter trained, and vLLM's draft model holds the trained weights (not the checkpoint it loaded).
     assert trainer.tlt_spot.total_steps == 4
+    # It trained on the hidden states the check of vLLM's samples recorded in its forward: no forward of its own.
+    assert trainer.tlt_spot.rerun_samples == 0 and all(log["tlt/drafter_rerun_samples"] == 0 for log in logs[:2])
+    assert trainer.tlt_spot.buffer.feature_bytes > 0
     assert not torch.equal(initial["fc.weight"], head.fc.weight)
     draft = trainer.vllm_generation.model_runner.get_draft_model()
     assert_draft_model_equals(draft, head)
