@@ -83,3 +83,35 @@ def test_deprecated_simulate_alias_warns_and_runs_the_same():
         with pytest.warns(FutureWarning, match="simulate_selector") if run is simulate else nullcontext():
             runs.append(run(selector, cost, selector.arms, BATCH_SIZES, steps=50, seed=4))
     assert runs[0] == runs[1]
+
+
+def test_the_bandit_reports_what_each_k_costs_as_it_measured_it():
+    """`step_costs`: a chain of k drafts' recent mean step time over a plain step's, per bucket, from the times the
+    bandit was fed (the simulated cost model's, with noise): within the noise of the model's true ratio, and carried
+    by a checkpoint (older ones, without the discounted step counts, load too). Mutation: divide the tokens instead of
+    the steps and the ratios are off by the acceptance."""
+    import math
+    import random
+
+    cost = CostModel(noise=0.05)
+    selector = BanditSpeculation(arms=ARMS, seed=0)
+    rng = random.Random(1)
+    for _ in range(200):  # every arm played at batch sizes 1 and 6 (bucket 8), its time as the cost model draws it
+        for batch in (1, 6):
+            for arm in selector.arms:
+                tokens, seconds = cost.expected(batch, arm)
+                selector.update(batch, arm, round(tokens), seconds * math.exp(rng.gauss(0, cost.noise)))
+    assert selector.step_costs(3) == {}  # a bucket never played
+    for batch in (1, 6):
+        costs = selector.step_costs(batch)
+        assert set(costs) == {1, 2, 3, 4, 6, 8}
+        plain = cost.expected(batch, NO_SPECULATION)[1]
+        for k, measured in costs.items():
+            assert measured == pytest.approx(cost.expected(batch, Arm("ngram", k))[1] / plain, rel=0.05), (batch, k)
+    restored = BanditSpeculation(arms=ARMS, epsilon=1.0, seed=0)
+    restored.load_state_dict(selector.state_dict())
+    assert restored.step_costs(8) == selector.step_costs(8)
+    old = selector.state_dict()
+    old["stats"] = {b: [row[:4] for row in rows] for b, rows in old["stats"].items()}
+    restored.load_state_dict(old)
+    assert set(restored.step_costs(8)) == {1, 2, 3, 4, 6, 8}

@@ -14,7 +14,7 @@ from trl.trainer import grpo_trainer
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
 from trl_tlt.drafters.eagle3 import Eagle3Model
-from trl_tlt.engine.speculation import FixedSpeculation
+from trl_tlt.engine.speculation import BanditSpeculation, FixedSpeculation
 from trl_tlt.vllm.generation import speculative_config
 
 
@@ -110,6 +110,11 @@ def test_trains_one_step_with_tlt_metrics(tiny_model_dirs, tmp_path, drafter_typ
                  if 1 << max(size - 1, 0).bit_length() == bucket]  # fmt: skip
         assert logged[f"tlt/k_bucket_{bucket}"] == pytest.approx(sum(steps) / len(steps))
         assert logged[f"tlt/tokens_per_second_bucket_{bucket}"] > 0
+    if isinstance(trainer.tlt_speculation, BanditSpeculation) and drafter_type != "none":
+        # the bandit's measured step costs per k, at the bucket most steps ran in
+        bucket = int(logged["tlt/verify_cost_bucket"])
+        costs = trainer.tlt_speculation.step_costs(bucket)
+        assert costs and all(logged[f"tlt/verify_cost_k{k}"] == pytest.approx(c) for k, c in costs.items())
 
 
 @pytest.mark.parametrize(

@@ -129,10 +129,16 @@ class _ArmStats:
     tokens: float = 0.0  # discounted sum of emitted tokens
     seconds: float = 0.0  # discounted sum of step seconds
     count: int = 0
+    steps: float = 0.0  # discounted count of steps
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def step_seconds(self) -> float:
+        """The arm's recent mean step time (discounted as its rate)."""
+        return self.seconds / self.steps if self.steps > 0 else 0.0
 
 
 @dataclass
@@ -190,10 +196,22 @@ class BanditSpeculation(SpeculationPolicy):
         keep = 1.0 - self.decay
         s.tokens = keep * s.tokens + num_emitted_tokens
         s.seconds = keep * s.seconds + seconds
+        s.steps = keep * s.steps + 1.0
+
+    def step_costs(self, batch_size: int) -> dict[int, float]:
+        """What a decode step drafting k tokens (a chain) costs at `batch_size`'s bucket, as measured: its recent mean
+        time over the recent mean time of a step without speculation, for every k played there (empty until no
+        speculation was played there too). The bandit's reward, tokens per second, is the acceptance a step gets over
+        this cost: a k whose cost its drafter's acceptance does not cover loses to a shorter one, or to none."""
+        stats = self._stats.get(batch_size_bucket(batch_size))
+        plain = None if stats is None else stats[NO_SPECULATION].step_seconds
+        if not plain:
+            return {}
+        return {a.k: s.step_seconds / plain for a, s in stats.items() if a.k > 0 and not a.is_tree and s.steps > 0}
 
     def state_dict(self) -> dict:
         stats = {
-            bucket: [(tuple(arm), s.tokens, s.seconds, s.count) for arm, s in arms.items()]
+            bucket: [(tuple(arm), s.tokens, s.seconds, s.count, s.steps) for arm, s in arms.items()]
             for bucket, arms in self._stats.items()
         }
         return {"stats": stats, "rng": self._rng.getstate()}
@@ -201,8 +219,8 @@ class BanditSpeculation(SpeculationPolicy):
     def load_state_dict(self, state: dict) -> None:
         self._stats.clear()
         for bucket, rows in state["stats"].items():
-            for arm, tokens, seconds, count in rows:
-                self._stats[bucket][Arm(*arm)] = _ArmStats(tokens, seconds, count)
+            for arm, tokens, seconds, count, *steps in rows:  # checkpoints before `steps`: its weight, undiscounted
+                self._stats[bucket][Arm(*arm)] = _ArmStats(tokens, seconds, count, steps[0] if steps else count)
         self._rng.setstate(state["rng"])
 
     def best_arms(self) -> dict[int, Arm]:

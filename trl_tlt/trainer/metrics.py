@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from ..drafters import PromptHistory
-from ..engine.speculation import batch_size_bucket
+from ..engine.speculation import BanditSpeculation, SpeculationPolicy, batch_size_bucket
 from ..engine.stats import GenerationStats
 from ..training.spot import SpotStats, SpotTrainer
 
 
-def rollout_metrics(stats: GenerationStats, history: PromptHistory | None) -> dict[str, float]:
-    """One generation turn of trl-tlt's engine."""
+def rollout_metrics(
+    stats: GenerationStats, history: PromptHistory | None, speculation: SpeculationPolicy | None = None
+) -> dict[str, float]:
+    """One generation turn of trl-tlt's engine (`speculation`: the policy that chose its arms)."""
     steps = max(len(stats.active_batch_sizes), 1)
     speculated = sum(1 for k in stats.num_speculative_tokens if k > 0)
     metrics = {
@@ -41,6 +43,12 @@ def rollout_metrics(stats: GenerationStats, history: PromptHistory | None) -> di
         metrics[f"tlt/tokens_per_second_bucket_{bucket}"] = sum(t for _, t, _ in rows) / max(
             sum(s for _, _, s in rows), 1e-9
         )
+    if isinstance(speculation, BanditSpeculation) and buckets:
+        # the bandit's measured cost of a k-token step over a plain one, at the bucket most of the turn's steps ran in
+        bucket = max(buckets, key=lambda b: len(buckets[b]))
+        metrics["tlt/verify_cost_bucket"] = float(bucket)
+        for k, cost in sorted(speculation.step_costs(bucket).items()):
+            metrics[f"tlt/verify_cost_k{k}"] = cost
     return metrics
 
 

@@ -100,6 +100,7 @@ class RolloutStack:
     defer_spot_training: bool = False  # vLLM: the rollout's drafter training waits for the check's forward
     deferred_turns: list[RolloutTurn] | None = None  # the turns it waits with
     last_stats: GenerationStats | None = None  # of the engine's latest turn
+    last_speculation: SpeculationPolicy | None = None  # the policy that chose the latest turn's arms
     last_spot: SpotStats | None = None  # of the latest spot phase
     last_vllm_stats: dict[str, float] | None = None  # vLLM's acceptance over its latest turn
     vllm_spec_faults: int = 0  # rollouts regenerated without speculation (vLLM's samples failed the check)
@@ -172,6 +173,7 @@ class RolloutStack:
         dropped. `sharded`: the trainer's policy is sharded across processes (its whole embedding and LM head are
         copied during the turn, `policy_weights`, even where the context gathered it for generation)."""
         drafter, speculation = self.rollout_drafter()
+        self.last_speculation = speculation
         engine = SpeculativeEngine(policy, drafter=drafter, speculation=speculation, pad_token_id=pad_token_id)
         record = training and self.spot is not None and self.turns is not None and self.spot.wants_features
         layers, budget = None, None

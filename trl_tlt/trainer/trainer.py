@@ -175,7 +175,7 @@ class TLTGRPOTrainer(GRPOTrainer):
                         unwrapped_model, prompt_ids, params, pad, width, training, self.state.global_step, sharded
                     )
             if reason is None:
-                self._log(rollout_metrics(out.stats, stack.history))
+                self._log(rollout_metrics(out.stats, stack.history, stack.last_speculation))
                 # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
                 return out.completion_ids, None
             stack.refuse_spot_training_without_engine()
