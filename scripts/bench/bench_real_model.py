@@ -235,19 +235,23 @@ def part_rss(args) -> dict:
     return out
 
 
-def run_trainer(kind: str, args, tlt_args: dict | None) -> dict:
+def run_trainer(
+    kind: str, args, tlt_args: dict | None, path: str | None = None, num_prompts: int = 4, completion: int = COMPLETION
+) -> dict:
+    """GRPOTrainer (`kind="grpo"`) or TLTGRPOTrainer on `path` (default: the raw real model), `args.steps` steps of
+    `num_prompts` x 4 at T = 1: step and rollout seconds, rewards, the `tlt/` metrics, the head's held-out acceptance."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
     from trl_tlt import TLTGRPOTrainer
 
-    path = real_model_path()
+    path = path or real_model_path()
     policy, tokenizer = load(path)
-    dataset = Dataset.from_list(real_model_prompts(4 * args.steps, seed=11))
+    dataset = Dataset.from_list(real_model_prompts(num_prompts * args.steps, seed=11))
     with tempfile.TemporaryDirectory() as output_dir:
         config = trainer_config(
-            "grpo" if kind == "grpo" else "tlt", output_dir, num_prompts=4, num_generations=4,
-            max_completion_length=COMPLETION, steps=args.steps, seed=0, tlt_args=tlt_args, temperature=1.0,
+            "grpo" if kind == "grpo" else "tlt", output_dir, num_prompts=num_prompts, num_generations=4,
+            max_completion_length=completion, steps=args.steps, seed=0, tlt_args=tlt_args, temperature=1.0,
         )  # fmt: skip
         cls = GRPOTrainer if kind == "grpo" else TLTGRPOTrainer
         start = time.perf_counter()
@@ -270,8 +274,10 @@ def run_trainer(kind: str, args, tlt_args: dict | None) -> dict:
     logs = [h for h in trainer.state.log_history if "reward" in h]
     result = {"wall_seconds": wall, "step_seconds": times.times, "rollout_seconds": rollouts}
     result["reward"] = [h["reward"] for h in logs]
+    selector = sorted({k for h in logs for k in h if k.startswith(("tlt/verify_cost", "tlt/k_bucket"))})
     for key in ("tlt/mean_acceptance_length", "tlt/spot_seconds", "tlt/drafter_steps", "tlt/spot_budget_share",
-                "tlt/drafter_eval_acceptance_length", "tlt/rollout_seconds", "tlt/draft_vocab_coverage"):  # fmt: skip
+                "tlt/drafter_eval_acceptance_length", "tlt/rollout_seconds", "tlt/draft_vocab_coverage",
+                "tlt/drafter_rerun_samples", *selector):  # fmt: skip
         if any(key in h for h in logs):
             result[key.removeprefix("tlt/")] = [h.get(key) for h in logs]
     if kind != "grpo":  # the head at the end, on held-out prompts, the engine speculating k = 6 at every step
@@ -279,7 +285,7 @@ def run_trainer(kind: str, args, tlt_args: dict | None) -> dict:
 
         held_out = encode(tokenizer, real_model_prompts(16, seed=99))
         params = SamplingParams(
-            max_new_tokens=COMPLETION, temperature=1.0, do_sample=True, eos_token_ids=(tokenizer.eos_token_id,)
+            max_new_tokens=completion, temperature=1.0, do_sample=True, eos_token_ids=(tokenizer.eos_token_id,)
         )
         policy.eval()
         result["heldout_acceptance_k6"] = evaluate_acceptance(policy, trainer.tlt_drafter, held_out, params, k=6)

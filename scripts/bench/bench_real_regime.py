@@ -250,7 +250,55 @@ def part_head(args) -> dict:
     }
 
 
-PARTS = {"entropy": part_entropy, "head": part_head}
+def swap_summary(prefix: str, grpo: dict, tlt: dict, begin: int = 9) -> dict:
+    """Medians over steps 10-30 (`begin` 9: 0-based), GRPOTrainer's over TLT's, and the rewards."""
+
+    def median(run, key):
+        return statistics.median(run[key][begin:])
+
+    return {
+        f"{prefix}_rollout_ratio": median(grpo, "rollout_seconds") / median(tlt, "rollout_seconds"),
+        f"{prefix}_step_ratio": median(grpo, "step_seconds") / median(tlt, "step_seconds"),
+        f"{prefix}_acceptance_end": tlt["heldout_acceptance_k6"]["mean_acceptance_length"],
+        f"{prefix}_reward_tlt": statistics.fmean(tlt["reward"]),
+        f"{prefix}_reward_grpo": statistics.fmean(grpo["reward"]),
+    }
+
+
+def part_swap(args) -> dict:
+    """The plain swap on the tuned policy: GRPOTrainer, then TLTGRPOTrainer with every default (a new head trained
+    online), `--swap-steps` steps of `--swap-prompts` x 4, T = 1, the same seed and prompts."""
+    from bench_real_model import run_trainer  # scripts/bench/, beside this script
+
+    path, steps = real_regime_policy_path(), argparse.Namespace(steps=args.swap_steps)
+    runs = {
+        kind: run_trainer(kind, steps, None, path=path, num_prompts=args.swap_prompts, completion=args.max_new_tokens)
+        for kind in ("grpo", "tlt")
+    }
+    return {
+        "swap": {"steps": args.swap_steps, "prompts": args.swap_prompts, "runs": runs},
+        **swap_summary("real_regime", runs["grpo"], runs["tlt"]),
+    }
+
+
+def part_raw(args) -> dict:
+    """The same swap on the raw model (the high-entropy case), 4 x 4, 96 tokens, as bench_real_model.py's `online`;
+    and TLTGRPOTrainer with the engine alone (`drafter_type="none"`), the floor a swap must not fall below."""
+    from bench_real_model import run_trainer
+
+    steps = argparse.Namespace(steps=args.swap_steps)
+    runs = {kind: run_trainer(kind, steps, None, completion=96) for kind in ("grpo", "tlt")}
+    runs["engine_alone"] = run_trainer("tlt", steps, {"drafter_type": "none"}, completion=96)
+    engine = swap_summary("engine_alone", runs["grpo"], runs["engine_alone"])
+    return {
+        "raw": {"steps": args.swap_steps, "runs": runs},
+        **swap_summary("real_model", runs["grpo"], runs["tlt"]),
+        "real_model_engine_alone_step_ratio": engine["engine_alone_step_ratio"],
+        "real_model_engine_alone_rollout_ratio": engine["engine_alone_rollout_ratio"],
+    }
+
+
+PARTS = {"entropy": part_entropy, "head": part_head, "swap": part_swap, "raw": part_raw}
 
 
 def main() -> None:
@@ -261,6 +309,8 @@ def main() -> None:
     parser.add_argument("--train-prompts", type=int, default=32, help="head: prompts of the training rows (x 4).")
     parser.add_argument("--held-out-prompts", type=int, default=16, help="head: held-out prompts (x 4).")
     parser.add_argument("--steps", type=int, default=24, help="head: timed drafter steps per variant.")
+    parser.add_argument("--swap-steps", type=int, default=30, help="swap, raw: GRPO steps per run.")
+    parser.add_argument("--swap-prompts", type=int, default=8, help="swap: prompts per step (x 4).")
     parser.add_argument("--train-seconds", type=float, default=120.0, help="head: drafter-step seconds per precision.")
     parser.add_argument("--output", default=None, help="JSON to write (its keys from other parts are kept).")
     args = parser.parse_args()
