@@ -129,7 +129,11 @@ def test_features_from_a_padded_forward_are_each_sequences_own(policy):
     bounded = SequenceFeatures(layers, max_bytes=sink.claim(rows[0]).nbytes)
     with torch.no_grad(), bounded.recording(policy):
         policy(input_ids=ids, attention_mask=mask)
-    assert bounded.claim(rows[0]) is not None and bounded.claim(rows[1]) is None and bounded.num_bytes <= bounded.max_bytes
+    assert (
+        bounded.claim(rows[0]) is not None
+        and bounded.claim(rows[1]) is None
+        and bounded.num_bytes <= bounded.max_bytes
+    )
 
 
 def test_padding_a_packed_row_changes_no_loss_or_gradient(policy):
@@ -185,8 +189,10 @@ def test_bf16_matrix_units_are_detected_per_device(monkeypatch):
     assert not has_bf16_matrix_units(torch.device("cpu"))
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert has_bf16_matrix_units(torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert not has_bf16_matrix_units(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, expected in (((7, 5), False), ((8, 0), True), ((9, 0), True)):  # T4 emulates bf16; A100, H100
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert has_bf16_matrix_units(torch.device("cuda")) is expected
     assert not has_bf16_matrix_units(torch.device("meta"))
 
 

@@ -114,4 +114,5 @@ def test_the_bandit_reports_what_each_k_costs_as_it_measured_it():
     old = selector.state_dict()
     old["stats"] = {b: [row[:4] for row in rows] for b, rows in old["stats"].items()}
     restored.load_state_dict(old)
-    assert set(restored.step_costs(8)) == {1, 2, 3, 4, 6, 8}
+    for k, cost in restored.step_costs(8).items():  # the discounted weight rebuilt from the count: the same costs
+        assert cost == pytest.approx(selector.step_costs(8)[k], rel=1e-6)

@@ -115,12 +115,104 @@ def test_vllms_sampling_logprobs_reach_the_off_policy_mask_as_in_grpo_trainer(mo
         GRPOTrainer, "_generate_and_score_completions", lambda self, inputs: {"sampling_per_token_logps": logps}
     )
     trainer = object.__new__(TLTGRPOTrainer)
-    trainer.tlt = SimpleNamespace()
+    trainer.tlt = SimpleNamespace(spot=None, defer_spot_training=False, deferred_turns=None)
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, False
     trainer.args = SimpleNamespace(drafter_type="eagle3", vllm_mode="colocate")
     trainer.model = SimpleNamespace(training=True)
     trainer.state = SimpleNamespace(num_input_tokens_seen=0)
     trainer._metrics = {"train": defaultdict(list)}
-    trainer._check_vllm_samples = lambda output: SampleMoments(tokens=2.0, deviation=0.1, variance=1.0)
+    trainer._check_vllm_samples = lambda output, sink: SampleMoments(tokens=2.0, deviation=0.1, variance=1.0)
     output = trainer._generate_and_score_completions([{"prompt": "p"}])
     assert output["sampling_per_token_logps"] is logps
+
+
+@pytest.mark.parametrize("case", ["passes", "faulty", "raises"])
+def test_spot_training_on_vllms_rollouts_waits_for_the_check_and_reads_its_forward(monkeypatch, tokenizer, case):
+    """vLLM returns no hidden states: spot training waits until the check of the batch has run its forward, trains
+    on the states that forward recorded (no forward of its own: `rerun_samples` 0) and pushes the drafter; on a batch
+    that fails the check it trains on nothing (the batch is generated again, speculation off); a batch that raises
+    leaves no turns behind for a later call. Mutations caught: train at the rollout's end as before (the drafter
+    trains before the check, and reruns the policy); keep the stash after an exception."""
+    from collections import defaultdict
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    from trl_tlt import TLTGRPOTrainer
+    from trl_tlt.drafters.eagle3 import Eagle3Model
+    from trl_tlt.engine import FixedSpeculation
+    from trl_tlt.tooling.tiny import build_tiny_model
+    from trl_tlt.trainer.stack import RolloutStack, RolloutTurn
+    from trl_tlt.training.spot import DataBuffer, SpotTrainer
+    from trl_tlt.vllm.check import SampleMoments
+
+    policy = build_tiny_model(tokenizer, hidden_size=64, num_hidden_layers=4, num_attention_heads=2).eval()
+    spot = SpotTrainer(Eagle3Model.for_policy(policy), DataBuffer(window=1), steps_per_phase=1)
+    stack = RolloutStack(None, None, FixedSpeculation(0), FixedSpeculation(0), spot, torch.Generator())
+    prompts, completions = [[5, 9, 17], [3, 40]], [[21, 22, 23, 24], [8, 8, 9]]
+    output = {  # GRPOTrainer's layout: prompts left-padded, completions right-padded
+        "prompt_ids": torch.tensor([[5, 9, 17], [0, 3, 40]]),
+        "prompt_mask": torch.tensor([[1, 1, 1], [0, 1, 1]]),
+        "completion_ids": torch.tensor([[21, 22, 23, 24], [8, 8, 9, 0]]),
+        "completion_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+    }
+
+    class Generation:
+        speculating = True
+        pushes = 0
+
+        def sync_drafter(self):
+            self.pushes += 1
+
+        def disable_speculation(self):
+            self.speculating = False
+
+    def parent(self, inputs):
+        self.tlt.open_rollout()
+        stats = {"verify_steps": 4, "mean_acceptance_length": 1.5} if self.vllm_generation.speculating else None
+        self.tlt.record(RolloutTurn(prompts, completions, 1.0, stats))
+        self._end_rollout()
+        assert spot.total_steps == 0  # not at the rollout's end: after the check
+        if case == "raises":
+            raise RuntimeError("a reward function failed")
+        return output
+
+    def check(output, sink):  # the check's forward, as `policy_sample_moments` runs it
+        with torch.no_grad(), sink.recording(policy):
+            policy(
+                input_ids=torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
+                attention_mask=torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
+            )
+        return SampleMoments(tokens=7.0, deviation=100.0 if case == "faulty" else 0.1, variance=1.0)
+
+    @contextmanager
+    def unwrapped():
+        yield policy
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", parent)
+    trainer = object.__new__(TLTGRPOTrainer)
+    trainer.tlt, trainer.use_vllm, trainer.vllm_generation = stack, True, Generation()
+    trainer.args = SimpleNamespace(drafter_type="eagle3", vllm_mode="colocate", report_to=[])
+    trainer.model, trainer.model_wrapped = SimpleNamespace(training=True), policy
+    trainer.accelerator = SimpleNamespace(unwrap_model=lambda model: policy, is_main_process=True)
+    trainer.state = SimpleNamespace(num_input_tokens_seen=0, global_step=3)
+    trainer._metrics = {"train": defaultdict(list)}
+    trainer._check_vllm_samples, trainer._unwrapped_for_generation = check, unwrapped
+    if case == "raises":
+        with pytest.raises(RuntimeError, match="reward"):
+            trainer._generate_and_score_completions([{"prompt": "p"}])
+        assert stack.deferred_turns is None and not stack.defer_spot_training
+        assert spot.total_steps == 0 and not spot.buffer.samples
+        return
+    assert trainer._generate_and_score_completions([{"prompt": "p"}]) is output
+    if case == "faulty":  # generated again without speculation; nothing trained on, nothing buffered
+        assert not trainer.vllm_generation.speculating and trainer.tlt.vllm_spec_faults == 1
+        assert spot.total_steps == 0 and not spot.buffer.samples and trainer.vllm_generation.pushes == 0
+        return
+    assert spot.total_steps == 1 and spot.rerun_samples == 0 and trainer.vllm_generation.pushes == 1
+    assert trainer._metrics["train"]["tlt/drafter_rerun_samples"] == [0.0]
+    recorded = {tuple(s.token_ids): s.features for s in [*spot.buffer.samples, *spot.buffer.held_out]}
+    reference = policy(torch.tensor([prompts[1] + completions[1]]), output_hidden_states=True).hidden_states
+    expected = torch.stack([reference[i][0, :-1] for i in spot.feature_layers(policy)], dim=1)
+    torch.testing.assert_close(recorded[tuple(prompts[1] + completions[1])], expected, rtol=1e-4, atol=1e-4)

@@ -80,6 +80,9 @@ class FeatureRecorder:
         return rows
 
 
+PREFIX_INDEX = 16  # `SequenceFeatures` finds a row a sequence begins by its first tokens
+
+
 class SequenceFeatures:
     """The policy's hidden states at `layers` over whole sequences, taken from a forward that runs anyway (the check
     of vLLM's samples, at the rollout's weights), for a rollout's rows to claim by their tokens: drafter training then
@@ -102,6 +105,7 @@ class SequenceFeatures:
         self.layers, self.device, self.max_bytes = tuple(layers), torch.device(device), max_bytes
         self.num_bytes = 0
         self._rows: dict[tuple[int, ...], torch.Tensor] = {}
+        self._by_start: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # first PREFIX_INDEX tokens -> rows
 
     @contextlib.contextmanager
     def recording(self, model):
@@ -127,17 +131,21 @@ class SequenceFeatures:
     def record(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden_states) -> None:
         """One forward's rows (`input_ids`, `attention_mask`: (B, T), padded on either side; `hidden_states[layer]`:
         (B, T, H)). A row whose mask is not one run of ones (a hole changes the positions after it) is skipped."""
-        states = torch.stack([hidden_states[i] for i in self.layers], dim=2)  # (B, T, m, H)
-        for ids, mask, row in zip(input_ids, attention_mask.bool(), states, strict=True):
+        width = len(self.layers) * hidden_states[self.layers[0]].size(-1)
+        element = hidden_states[self.layers[0]].element_size()
+        for b, (ids, mask) in enumerate(zip(input_ids, attention_mask.bool(), strict=True)):
             where = mask.nonzero().flatten().tolist()
             if len(where) < 2 or where[-1] - where[0] + 1 != len(where):
                 continue
             start, end = where[0], where[-1] + 1
-            size = (end - start - 1) * row[0].numel() * row.element_size()
+            size = (end - start - 1) * width * element
             if self.max_bytes is not None and self.num_bytes + size > self.max_bytes:
                 return
             self.num_bytes += size
-            self._rows[tuple(ids[start:end].tolist())] = row[start : end - 1].to(self.device, copy=True)
+            row = torch.stack([hidden_states[i][b, start : end - 1] for i in self.layers], dim=1)  # (n - 1, m, H)
+            key = tuple(ids[start:end].tolist())
+            self._rows[key] = row.to(self.device)
+            self._by_start.setdefault(key[:PREFIX_INDEX], []).append(key)
 
     def claim(self, tokens: Sequence[int]) -> torch.Tensor | None:
         """The states of the sequence `tokens` at every position but the last, (len(tokens) - 1, m, H): those of a
@@ -146,7 +154,9 @@ class SequenceFeatures:
         key = tuple(tokens)
         if key in self._rows:
             return self._rows[key]
-        for row_tokens, states in self._rows.items():
+        # rows are indexed by their first tokens (a prompt's, shared by its group): few candidates to compare
+        candidates = self._by_start.get(key[:PREFIX_INDEX], ()) if len(key) >= PREFIX_INDEX else self._rows
+        for row_tokens in candidates:
             if len(row_tokens) > len(key) and row_tokens[: len(key)] == key:
-                return states[: len(key) - 1].clone()
+                return self._rows[row_tokens][: len(key) - 1].clone()
         return None

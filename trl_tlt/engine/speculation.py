@@ -219,8 +219,10 @@ class BanditSpeculation(SpeculationPolicy):
     def load_state_dict(self, state: dict) -> None:
         self._stats.clear()
         for bucket, rows in state["stats"].items():
-            for arm, tokens, seconds, count, *steps in rows:  # checkpoints before `steps`: its weight, undiscounted
-                self._stats[bucket][Arm(*arm)] = _ArmStats(tokens, seconds, count, steps[0] if steps else count)
+            for arm, tokens, seconds, count, *steps in rows:
+                if not steps:  # a checkpoint before `steps`: count updates' weight, discounted as `seconds` is
+                    steps = [(1.0 - (1.0 - self.decay) ** count) / self.decay]
+                self._stats[bucket][Arm(*arm)] = _ArmStats(tokens, seconds, count, steps[0])
         self._rng.setstate(state["rng"])
 
     def best_arms(self) -> dict[int, Arm]:

@@ -265,8 +265,8 @@ def build_spot_trainer(args: TLTConfig, drafter, accelerator, use_vllm: bool) ->
 def has_bf16_matrix_units(device: torch.device) -> bool:
     """Whether `device` multiplies bf16 matrices natively: a CUDA GPU that supports bf16, a CPU with AMX or AVX512-BF16
     (where `spot_precision="auto"` trains the drafter in bf16)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # tensor cores with bf16 from Ampere (compute capability 8) on; earlier ones emulate it
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
     if device.type == "cpu":  # private probes of torch.cpu (torch >= 2.3); absent: no
         probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
         return any(getattr(torch.cpu, name, lambda: False)() for name in probes)

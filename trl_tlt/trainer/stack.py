@@ -199,13 +199,16 @@ class RolloutStack:
         if self.turns is not None:
             self.turns.append(turn)
 
-    def feature_sink(self, policy: PreTrainedModel, version: int | None) -> SequenceFeatures:
+    def feature_sink(self, policy: PreTrainedModel, version: int | None) -> SequenceFeatures | None:
         """Where a forward of the policy over this rollout's samples records the hidden states drafter training reads
         (vLLM's rollouts, which the engine did not record), within what the buffer's memory cap leaves once the
-        features older than policy `version` are dropped."""
+        features older than policy `version` are dropped; None where nothing would read them (a phase the time budget
+        skips) or the cap leaves no room."""
+        if not self.spot.wants_features:
+            return None
         self.spot.buffer.drop_stale(version)
-        budget = max(self.spot.buffer.max_feature_bytes - self.spot.buffer.feature_bytes, 0)
-        return SequenceFeatures(self.spot.feature_layers(policy), max_bytes=budget)
+        budget = self.spot.buffer.max_feature_bytes - self.spot.buffer.feature_bytes
+        return SequenceFeatures(self.spot.feature_layers(policy), max_bytes=budget) if budget > 0 else None
 
     @staticmethod
     def with_features(turns: list[RolloutTurn], sink: SequenceFeatures) -> list[RolloutTurn]:

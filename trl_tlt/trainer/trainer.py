@@ -218,8 +218,8 @@ class TLTGRPOTrainer(GRPOTrainer):
             return
         stack.remember(turns)
         if stack.spot is not None and not (self.use_vllm and not self.vllm_generation.speculating):
-            if stack.defer_spot_training:
-                stack.deferred_turns = turns  # trained after the check's forward, on its hidden states
+            if stack.defer_spot_training:  # trained after the check's forward, on its hidden states
+                stack.deferred_turns = [*(stack.deferred_turns or ()), *turns]
             else:
                 self._spot_phase(turns)
         if stack.watchdog is not None:
@@ -290,19 +290,20 @@ class TLTGRPOTrainer(GRPOTrainer):
         # Spot training on vLLM's rollouts waits for the check below, whose forward over the batch records the hidden
         # states it trains on (no forward of its own), and trains only on samples that passed the check. Not where it
         # trains in the ranks' idle time (several processes, no `spot_steps_per_rollout`): that time is before it.
+        spot = stack.spot
         stack.defer_spot_training = (
             self.model.training
-            and stack.spot is not None
+            and spot is not None
             and self.vllm_generation.speculating
-            and (stack.spot.group is None or stack.spot.steps_per_phase is not None)
+            and (spot.group is None or spot.steps_per_phase is not None)
         )
         try:
             output = super()._generate_and_score_completions(inputs)
-        finally:
-            stack.defer_spot_training = False
-        turns, stack.deferred_turns = stack.deferred_turns, None
+            turns = stack.deferred_turns
+        finally:  # a failed batch's turns are never trained on, by this call or a later one
+            stack.defer_spot_training, stack.deferred_turns = False, None
         sink = None
-        if turns is not None:
+        if turns is not None and not policy_is_sharded(self.model_wrapped):  # sharded: no LM head copy to train with
             sink = stack.feature_sink(self.accelerator.unwrap_model(self.model), self.state.global_step)
         check = self._check_vllm_samples(output, sink)
         if turns is not None and not (check is not None and check.faulty):
