@@ -289,6 +289,7 @@ INVALID_CONFIGS = [
     ({"drafter_ttt_length": 0}, "drafter_ttt_length"),
     ({"draft_vocab_size": 0}, "draft_vocab_size"),
     ({"history_max_tokens": -1}, "history_max_tokens"),
+    ({"spot_precision": "half"}, "spot_precision"),
 ]
 
 

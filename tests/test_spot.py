@@ -1,6 +1,5 @@
 """Spot training: the data buffer's window and budget, drafter steps, preemption, and the 2-rank idle/merge protocol."""
 
-import copy
 import os
 import random
 import time
@@ -77,24 +76,6 @@ def test_drafter_steps_lower_the_loss_and_leave_the_policy_alone(policy):
     assert all(p.requires_grad and p.grad is None for p in policy.parameters())
     assert spot.total_steps == 30
     assert spot.evaluate(policy) > 1.0  # held-out top-1 agreement now non-zero
-
-
-def test_a_state_saved_before_the_fused_optimizer_resumes_fused_and_the_same(policy):
-    """A spot state saved by the per-tensor AdamW (checkpoints before the fused one) loads into the fused optimizer,
-    which it keeps (the saved groups carry no `fused`), and its next steps match the per-tensor optimizer's. Mutation:
-    leave the loaded groups as saved and the optimizer is no longer fused."""
-    old = spot_trainer(policy)
-    for group in old.optimizer.param_groups:
-        group["fused"] = None  # as written before
-    [old.step(policy) for _ in range(3)]
-    state = copy.deepcopy(old.state_dict())  # as a checkpoint holds it (the optimizer would share its moments)
-    resumed = spot_trainer(policy)
-    resumed.drafter.load_state_dict(old.drafter.state_dict())
-    resumed.load_state_dict(state)
-    assert all(group["fused"] for group in resumed.optimizer.param_groups)
-    old.rng.seed(1)
-    resumed.rng.seed(1)
-    assert [resumed.step(policy) for _ in range(3)] == pytest.approx([old.step(policy) for _ in range(3)], rel=1e-4)
 
 
 def test_a_preempted_step_changes_nothing(policy):

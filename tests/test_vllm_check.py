@@ -115,7 +115,10 @@ def test_vllms_sampling_logprobs_reach_the_off_policy_mask_as_in_grpo_trainer(mo
         GRPOTrainer, "_generate_and_score_completions", lambda self, inputs: {"sampling_per_token_logps": logps}
     )
     trainer = object.__new__(TLTGRPOTrainer)
-    trainer.tlt = SimpleNamespace(spot=None, defer_spot_training=False, deferred_turns=None)
+    trainer.tlt = SimpleNamespace(
+        spot_waits_for_check=lambda training, speculating: False, defer_spot_training=False, deferred_turns=None
+    )
+    trainer.vllm_generation = SimpleNamespace(speculating=True)
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, False
     trainer.args = SimpleNamespace(drafter_type="eagle3", vllm_mode="colocate")
     trainer.model = SimpleNamespace(training=True)

@@ -199,6 +199,18 @@ class RolloutStack:
         if self.turns is not None:
             self.turns.append(turn)
 
+    def spot_waits_for_check(self, training: bool, vllm_speculating: bool) -> bool:
+        """Whether this vLLM rollout's spot training waits for the check of its samples (`TLTGRPOTrainer`): in training,
+        while vLLM speculates, where the phase does not train in the ranks' idle time (one process, or
+        `spot_steps_per_rollout`)."""
+        spot = self.spot
+        return (
+            training
+            and vllm_speculating
+            and spot is not None
+            and (spot.group is None or spot.steps_per_phase is not None)
+        )
+
     def feature_sink(self, policy: PreTrainedModel, version: int | None) -> SequenceFeatures | None:
         """Where a forward of the policy over this rollout's samples records the hidden states drafter training reads
         (vLLM's rollouts, which the engine did not record), within what the buffer's memory cap leaves once the

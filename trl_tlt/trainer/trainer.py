@@ -61,6 +61,28 @@ def _parent_without_stack(hook):
     return dispatch
 
 
+@contextmanager
+def unwrapped_for_generation(trainer: GRPOTrainer):
+    """GRPOTrainer's generation context (unwrap / no_grad / summon_full_params), the model in eval mode."""
+    with (
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=getattr(trainer, "generation_kwargs", None),  # unset with vLLM
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as unwrapped_model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        was_training = unwrapped_model.training
+        unwrapped_model.eval()
+        try:
+            yield unwrapped_model
+        finally:
+            unwrapped_model.train(was_training)
+
+
 class TLTGRPOTrainer(GRPOTrainer):
     """Drop-in `GRPOTrainer` whose rollouts use lossless speculative decoding.
 
@@ -290,13 +312,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         # Spot training on vLLM's rollouts waits for the check below, whose forward over the batch records the hidden
         # states it trains on (no forward of its own), and trains only on samples that passed the check. Not where it
         # trains in the ranks' idle time (several processes, no `spot_steps_per_rollout`): that time is before it.
-        spot = stack.spot
-        stack.defer_spot_training = (
-            self.model.training
-            and spot is not None
-            and self.vllm_generation.speculating
-            and (spot.group is None or spot.steps_per_phase is not None)
-        )
+        stack.defer_spot_training = stack.spot_waits_for_check(self.model.training, self.vllm_generation.speculating)
         try:
             output = super()._generate_and_score_completions(inputs)
             turns = stack.deferred_turns
@@ -446,26 +462,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             return api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message)
 
     # ------------------------------------------------------------------------------------------------ helpers
-    @contextmanager
-    def _unwrapped_for_generation(self):
-        """The parent's generation context (unwrap / no_grad / summon_full_params), the model in eval mode."""
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=getattr(self, "generation_kwargs", None),  # unset with vLLM
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
-            was_training = unwrapped_model.training
-            unwrapped_model.eval()
-            try:
-                yield unwrapped_model
-            finally:
-                unwrapped_model.train(was_training)
+    _unwrapped_for_generation = unwrapped_for_generation
 
     def _padded_width(self, prompt_ids: list[list[int]]) -> int:
         """The width GRPOTrainer's `generate` left-pads this batch of prompts to (`pad_to_multiple_of` included)."""
