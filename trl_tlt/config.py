@@ -134,7 +134,7 @@ class TLTConfig(GRPOConfig):
             Precision of a drafter step's matrix products: `"bf16"` (autocast; the loss's log-softmax, the weights,
             their gradients and the optimizer stay float32), `"fp32"`, or `"auto"`: bf16 where the drafter's device
             has bf16 matrix units (a CUDA GPU of compute capability 8 or more, a CPU with AMX or AVX512-BF16), fp32
-            elsewhere. On 2 AMX cores a head step costs two thirds of its float32 time, and a new head reached at
+            elsewhere. On 2 AMX cores a head step costs 0.63 of its float32 time, and a new head reached at
             least float32's acceptance in the same seconds (docs/benchmarks/real_regime_cpu.json).
         > Parameters that control the training phase
 
