@@ -119,7 +119,7 @@ class SpotTrainer:
         if not self.params:
             raise ValueError("The drafter has no trainable parameters: nothing for spot training to train.")
         # The schedule gives the absolute rate: the optimizer's base rate is 1.
-        # Not fused: a fused AdamW (6x faster on 2 CPU cores) broke test_trainer.py's exact resume (not understood).
+        # Not fused: the fused kernel leaves `_version` alone, and the lean drafting path caches weights by it (stale).
         self.optimizer = torch.optim.AdamW(self.params, lr=1.0, betas=(0.9, 0.95), weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.learning_rate_at)
 
