@@ -29,10 +29,9 @@ from trl_tlt.tooling.benchmarks import write_json  # first: the Hugging Face lib
 
 
 import torch  # noqa: E402
+from bench_real_model import new_head, run_trainer  # noqa: E402  (scripts/bench/, beside this script)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from trl_tlt.drafters.draft_vocab import fitted_size  # noqa: E402
-from trl_tlt.drafters.eagle3 import Eagle3Model  # noqa: E402
 from trl_tlt.engine import SamplingParams, SpeculativeEngine  # noqa: E402
 from trl_tlt.engine.features import SequenceFeatures  # noqa: E402
 from trl_tlt.tooling.real_model import (  # noqa: E402
@@ -107,16 +106,6 @@ def forward_features(policy, prompts, completions, layers, batch_size: int = 8) 
                 mask[i, width_p - len(p) : width_p + len(c)] = 1
             policy(input_ids=ids, attention_mask=mask, logits_to_keep=1)
     return [sink.claim(p + c) for p, c in zip(prompts, completions, strict=True)]
-
-
-def new_head(policy, completions) -> Eagle3Model:
-    """A new head, its draft vocabulary fitted to the tokens of `completions` (as the trainer fits it)."""
-    vocab = policy.config.vocab_size
-    counts = torch.zeros(vocab)
-    for c in completions:
-        counts += torch.bincount(torch.tensor(c, dtype=torch.long), minlength=vocab)[:vocab].float()
-    torch.manual_seed(0)
-    return Eagle3Model.for_policy(policy, draft_vocab_size=fitted_size(counts, min(32768, vocab)), token_counts=counts)
 
 
 def step_seconds(policy, head, prompts, completions, features, dtype, steps: int) -> dict:
@@ -268,7 +257,6 @@ def swap_summary(prefix: str, grpo: dict, tlt: dict, begin: int = 9) -> dict:
 def part_swap(args) -> dict:
     """The plain swap on the tuned policy: GRPOTrainer, then TLTGRPOTrainer with every default (a new head trained
     online), `--swap-steps` steps of `--swap-prompts` x 4, T = 1, the same seed and prompts."""
-    from bench_real_model import run_trainer  # scripts/bench/, beside this script
 
     path, steps = real_regime_policy_path(), argparse.Namespace(steps=args.swap_steps)
     runs = {
@@ -284,7 +272,6 @@ def part_swap(args) -> dict:
 def part_raw(args) -> dict:
     """The same swap on the raw model (the high-entropy case), 4 x 4, 96 tokens, as bench_real_model.py's `online`;
     and TLTGRPOTrainer with the engine alone (`drafter_type="none"`), the floor a swap must not fall below."""
-    from bench_real_model import run_trainer
 
     steps = argparse.Namespace(steps=args.swap_steps)
     runs = {kind: run_trainer(kind, steps, None, completion=96) for kind in ("grpo", "tlt")}
