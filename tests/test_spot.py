@@ -16,6 +16,8 @@ from trl_tlt.drafters.eagle3 import Eagle3Model
 from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer
 from trl_tlt.training.distillation import PolicyView
 from trl_tlt.training.spot import HELD_OUT_EVERY, DataBuffer, SpotBudget, SpotSchedule, SpotTrainer
+from trl_tlt.training.spot import trainer as spot_trainer_module
+from trl_tlt.training.spot.schedule import acceptance_length, expected_speedup
 
 
 def rollout(n, length, offset=0):
@@ -147,6 +149,55 @@ def test_budget_follows_acceptance():
     assert rising.share == rising.plateau_share
     rising.observe(2.5)  # the policy drifted: acceptance falls, and stays down
     assert rising.share == 1.0
+
+
+def test_the_budget_weighs_agreement_against_the_measured_cost_of_a_verify_step():
+    """With the verify step's cost measured, a drafter pays when its expected speed-up (its agreement's tokens per step
+    over the best k's cost) beats plain decoding; a plateau then spends at most half of what it saves. Mutation: drop
+    the speed-up from `SpotBudget.share` and the non-paying drafter gets the plateau share (min_acceptance alone)."""
+    agreement = [0.5, 0.5, 0.5]
+    assert acceptance_length(agreement) == 1.875 and acceptance_length(agreement, 1) == 1.5
+    assert expected_speedup(agreement, {}) is None  # nothing measured
+    assert expected_speedup(agreement, {1: 1.2, 2: 2.0, 8: 1.0}) == pytest.approx(1.5 / 1.2)  # k = 8: uncovered
+    assert expected_speedup(agreement, {1: 1.6, 2: 2.0}) == 1.0  # plain decoding wins
+    budgets = {}
+    for speedup in (None, 1.0, 1.1, 3.0):
+        budget = budgets[speedup] = SpotBudget(time_budget=0.5)
+        for _ in range(6):  # flat at 1.6: above min_acceptance
+            budget.observe(1.6, speedup)
+    assert budgets[None].share == 0.25  # no costs: min_acceptance decides, a plateau
+    assert budgets[1.0].share == 0.0  # it does not pay: left idle, probed later
+    assert budgets[1.1].share == pytest.approx(0.1)  # saves 10% of the rollout: spends at most 5% (0.1 x 0.5)
+    assert budgets[3.0].share == 0.25
+    rising = SpotBudget(time_budget=0.5)
+    for value in (1.2, 1.4, 1.6):  # still learning: full share, whatever it pays yet
+        rising.observe(value, 1.0)
+    assert rising.share == 1.0
+
+
+def test_evaluation_reads_the_latest_rollout_before_any_step_draws_from_it(policy, monkeypatch):
+    """The held-out estimate reads the latest rollout's sequences no step trained on (held out, then the training ones
+    until a step draws), up to `EVAL_STEPS` steps' worth of tokens; after a step, the held-out ones alone. A resumed
+    buffer counts nothing as unseen. Mutation: `DataBuffer.sample` leaving `unseen` alone fails the second read."""
+    spot = spot_trainer(policy, tokens_per_step=64)
+    read = []
+    features = spot._features
+    monkeypatch.setattr(spot, "_features", lambda view, samples: read.append(list(samples)) or features(view, samples))
+    buffer = spot.buffer
+    assert len(buffer.unseen) == 14 and len(buffer.held_out) == 2
+    assert spot.evaluate(policy) is not None
+    assert read[-1][:2] == buffer.held_out and read[-1][2:] == buffer.unseen[: len(read[-1]) - 2]
+    assert sum(len(s.token_ids) for s in read[-1]) <= spot_trainer_module.EVAL_STEPS * 64 < 16 * 23
+    assert len(spot.agreement) == spot.config.ttt_length
+    spot.step(policy)
+    assert buffer.unseen == []
+    spot.evaluate(policy)
+    assert read[-1] == buffer.held_out
+    buffer.add(*rollout(16, 20, offset=1))
+    assert len(buffer.unseen) == 14
+    resumed = DataBuffer(window=2)
+    resumed.load_state_dict(buffer.state_dict())
+    assert resumed.unseen == [] and len(resumed.samples) == len(buffer.samples)
 
 
 def _join_with_policy(rank, init_file, policy_state):

@@ -23,7 +23,7 @@ on numbers the engine already has on the host; no extra device synchronisation.
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -105,6 +105,12 @@ LOOKUP_DRAFT_LENGTHS = (8, 12, 16)
 def batch_size_bucket(batch_size: int) -> int:
     """Upper bound of the power-of-two bucket: 1 -> 1, 2 -> 2, 3..4 -> 4, 5..8 -> 8, ..."""
     return 1 << max(batch_size - 1, 0).bit_length()
+
+
+def dominant_bucket(batch_sizes: list[int]) -> int:
+    """The bucket most of a rollout's decode steps ran in (their active batch sizes; the larger one on a tie)."""
+    counts = Counter(batch_size_bucket(size) for size in batch_sizes)
+    return max(counts, key=lambda bucket: (counts[bucket], bucket))
 
 
 def ladder_neighbours(arms: list[Arm]) -> dict[Arm, list[Arm]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..drafters import PromptHistory
-from ..engine.speculation import BanditSpeculation, SpeculationPolicy, batch_size_bucket
+from ..engine.speculation import BanditSpeculation, SpeculationPolicy, batch_size_bucket, dominant_bucket
 from ..engine.stats import GenerationStats
 from ..training.spot import SpotStats, SpotTrainer
 
@@ -45,7 +45,7 @@ def rollout_metrics(
         )
     if isinstance(speculation, BanditSpeculation) and buckets:
         # the bandit's measured cost of a k-token step over a plain one, at the bucket most of the turn's steps ran in
-        bucket = max(buckets, key=lambda b: len(buckets[b]))
+        bucket = dominant_bucket(stats.active_batch_sizes)
         metrics["tlt/verify_cost_bucket"] = float(bucket)
         for k, cost in sorted(speculation.step_costs(bucket).items()):
             metrics[f"tlt/verify_cost_k{k}"] = cost
@@ -71,6 +71,8 @@ def spot_metrics(stats: SpotStats, spot: SpotTrainer) -> dict[str, float]:
         metrics["tlt/drafter_eval_acceptance_length"] = summary["eval_acceptance_length"]
     if one_process:
         metrics["tlt/spot_budget_share"] = 0.0 if stats.skipped else spot.budget.share
+    if stats.expected_speedup is not None:
+        metrics["tlt/drafter_expected_speedup"] = stats.expected_speedup
     if stats.draft_vocab_coverage is not None:
         metrics["tlt/draft_vocab_coverage"] = stats.draft_vocab_coverage
         metrics["tlt/draft_vocab_revisions"] = float(spot.vocab.num_revisions)

@@ -27,6 +27,7 @@ from ..drafters.model import ModelDrafter
 from ..engine import Drafter, FixedSpeculation, GenerationOutput, SamplingParams, SpeculationPolicy, SpeculativeEngine
 from ..engine.features import SequenceFeatures
 from ..engine.sharding import PolicyWeights
+from ..engine.speculation import BanditSpeculation, dominant_bucket
 from ..engine.stats import GenerationStats
 from ..training.distillation import PolicyView
 from ..training.spot import SpotStats, SpotTrainer
@@ -248,6 +249,15 @@ class RolloutStack:
             return None
         return PolicyView(self.policy_weights.output_embedding, config)
 
+    def verify_costs(self) -> dict[int, float]:
+        """The measured cost of a decode step drafting k tokens over a plain step's (`BanditSpeculation.step_costs`)
+        at the bucket most of the latest engine turn's steps ran in: what the time budget weighs the drafter's
+        agreement against. Empty where none was measured (a fixed k, vLLM's rollouts)."""
+        stats = self.last_stats
+        if not isinstance(self.speculation, BanditSpeculation) or stats is None or not stats.active_batch_sizes:
+            return {}
+        return self.speculation.step_costs(dominant_bucket(stats.active_batch_sizes))
+
     def train_drafter(
         self, policy: PreTrainedModel | PolicyView | None, turns: list[RolloutTurn], version: int | None = None
     ) -> SpotStats | None:
@@ -268,7 +278,7 @@ class RolloutStack:
         if spot.group is None:  # one process: within the time budget, which the rollout's seconds set
             if policy is None:  # a sharded policy no rollout copied yet: nothing to train with
                 return None
-            self.last_spot = spot.run_between_rollouts(policy, sum(turn.seconds for turn in turns))
+            self.last_spot = spot.run_between_rollouts(policy, sum(t.seconds for t in turns), self.verify_costs())
             return self.last_spot
         # several: while the other ranks still generate, then the merge
         refused, self.spot_refused = self.spot_refused, False

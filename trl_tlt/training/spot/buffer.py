@@ -53,6 +53,7 @@ class DataBuffer:
         self.rollouts: deque[list[DrafterSample]] = deque()
         self.held_out: list[DrafterSample] = []  # of the latest rollout only: "recent"
         self.num_added = 0
+        self._drawn = True  # whether a step drew from the buffer since its latest rollout
 
     def add(
         self,
@@ -83,7 +84,7 @@ class DataBuffer:
             (held_out if self.num_added % HELD_OUT_EVERY == 0 else train).append(sample)
         self.drop_stale(version)
         self.rollouts.append(train)
-        self.held_out = held_out
+        self.held_out, self._drawn = held_out, False
         while len(self.rollouts) > self.window:
             self.rollouts.popleft()
         while self.num_tokens > self.max_tokens and any(self.rollouts):  # tokens: the training sequences'
@@ -121,6 +122,12 @@ class DataBuffer:
             rollout[:] = [s for s in rollout if s.version is None or s.version >= version]
 
     @property
+    def unseen(self) -> list[DrafterSample]:
+        """The latest rollout's training sequences while no step has drawn from the buffer since it came: held out from
+        the drafter as much as `held_out`, until then."""
+        return [] if self._drawn or not self.rollouts else list(self.rollouts[-1])
+
+    @property
     def samples(self) -> list[DrafterSample]:
         return [s for rollout in self.rollouts for s in rollout]
 
@@ -135,6 +142,7 @@ class DataBuffer:
 
     def sample(self, max_tokens: int, rng: random.Random) -> list[DrafterSample]:
         """Sequences drawn uniformly without replacement until `max_tokens` (at least one, if any)."""
+        self._drawn = True
         pool = self.samples
         rng.shuffle(pool)
         return take_tokens(pool, max_tokens)
@@ -155,7 +163,7 @@ class DataBuffer:
     def load_state_dict(self, state: dict) -> None:
         """Restore a saved buffer (one saved without its sequences, before they were checkpointed, restores the count
         alone: the next rollouts refill it)."""
-        self.num_added = int(state["num_added"])
+        self.num_added, self._drawn = int(state["num_added"]), True
 
         def samples(rows):  # rows saved before features were recorded have no version
             return [DrafterSample(list(row[0]), int(row[1]), None, row[2] if len(row) > 2 else None) for row in rows]

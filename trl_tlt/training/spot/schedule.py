@@ -42,6 +42,30 @@ class SpotSchedule:
         return rate * min(1.0, (step + 1) / max(self.warmup_steps, 1))
 
 
+def acceptance_length(agreement: list[float], k: int | None = None) -> float:
+    """Expected tokens a decode step emits drafting `k` tokens (default: all) with per-position agreement
+    `agreement`: 1 + sum_{j<k} prod_{i<=j} a_i."""
+    length, run = 1.0, 1.0
+    for a in agreement[:k]:
+        run *= a
+        length += run
+    return length
+
+
+def expected_speedup(agreement: list[float], step_costs: dict[int, float]) -> float | None:
+    """A rollout's expected speed-up with the drafter: the best of `acceptance_length(agreement, k) / cost(k)` over the
+    k whose verify step's cost over a plain step's was measured (`BanditSpeculation.step_costs`) and that the
+    agreement covers, and 1 (no speculation). None where no cost was measured."""
+    costs = {k: c for k, c in step_costs.items() if 0 < k <= len(agreement) and c > 0}
+    if not costs:
+        return None
+    return max(1.0, *(acceptance_length(agreement, k) / cost for k, cost in costs.items()))
+
+
+def _moving(mean: float | None, value: float, weight: float) -> float:
+    return value if mean is None else mean + weight * (value - mean)
+
+
 @dataclass
 class SpotBudget:
     """One process: the seconds of drafter training each phase between rollouts may take, from measured acceptance.
@@ -51,20 +75,26 @@ class SpotBudget:
     to the next, at most one phase's worth). The share follows what the drafter is learning: the trend of its held-out
     acceptance length `a` over the last `window` phases (the least-squares line's change across them; a trend counts
     when it exceeds `tolerance` and twice its standard error, so that the measurements' scatter is not taken for
-    learning), and its level (a moving average):
+    learning), and what it pays: the rollout's expected speed-up `s` with it (`expected_speedup`: its measured
+    agreement over the measured cost of a verify step; a moving average), or, before those costs are measured, its
+    acceptance length's level against `min_acceptance`:
 
         warm-up (a new head's first `warmup_phases`, or fewer than 3 measurements)  share 1
         trend > +threshold (still learning, however low it still is)                share 1
         trend < -threshold (drift: the policy moved away from it)                   share 1
-        flat, level < `min_acceptance` (stopped improving, does not pay)             share 0: skip 1, 2, 4, ... phases,
+        flat, s <= 1 (or a < `min_acceptance`): stopped improving, does not pay      share 0: skip 1, 2, 4, ... phases,
                                                                                       then probe again
-        flat otherwise (plateau)                                                     share `plateau_share`
+        flat otherwise (plateau)                                                     share `plateau_share`, at most
+                                                                                      (s - 1) / (2 x time_budget): a
+                                                                                      plateau spends at most half of
+                                                                                      what the drafter saves
 
     Args:
         time_budget: Drafter-training seconds per second of rollout, at most (`TLTConfig.spot_time_budget`).
         warmup_phases: Phases a new head trains at the full share whatever it measures (0 for a warm start).
         plateau_share: Share of the budget on a plateau.
-        min_acceptance: Acceptance length below which a drafter does not pay for its drafting.
+        min_acceptance: Acceptance length below which a drafter does not pay for its drafting, until the verify
+            step's cost is measured.
         tolerance: Change across the window that counts as a trend (acceptance-length units).
         window: Phases the trend is fitted over.
         fast: Weight of the newest measurement in the level's moving average.
@@ -85,19 +115,21 @@ class SpotBudget:
     max_skip: int = 16
     phases: int = 0  # phases observed
     fast_mean: float | None = None
+    speedup: float | None = None  # moving average of the expected speed-up (None: costs not measured yet)
     recent: list[float] = field(default_factory=list)  # the last `window` measurements
     skip: int = 0  # phases left to skip
     next_skip: int = 1  # length of the next run of skipped phases
     credit: float = 0.0  # seconds
 
-    def observe(self, acceptance: float | None) -> None:
-        """A phase's held-out acceptance length (None: nothing held out yet)."""
+    def observe(self, acceptance: float | None, speedup: float | None = None) -> None:
+        """A phase's held-out acceptance length (None: nothing held out yet) and the rollout's expected speed-up with
+        the drafter (None: not measured)."""
         self.phases += 1
         if acceptance is None:
             return
-        if self.fast_mean is None:
-            self.fast_mean = acceptance
-        self.fast_mean += self.fast * (acceptance - self.fast_mean)
+        self.fast_mean = _moving(self.fast_mean, acceptance, self.fast)
+        if speedup is not None:
+            self.speedup = _moving(self.speedup, speedup, self.fast)
         self.recent = [*self.recent, acceptance][-self.window :]
 
     def _line(self) -> tuple[float, float] | None:
@@ -128,9 +160,11 @@ class SpotBudget:
         trend, error = line
         if abs(trend) > max(self.tolerance, 2 * error):  # a trend the measurements' scatter does not explain
             return 1.0
-        if self.fast_mean < self.min_acceptance:
+        if self.speedup is None:
+            return 0.0 if self.fast_mean < self.min_acceptance else self.plateau_share
+        if self.speedup <= 1.0:
             return 0.0
-        return self.plateau_share
+        return min(self.plateau_share, (self.speedup - 1.0) / (2 * max(self.time_budget, 1e-9)))
 
     def skips_phase(self) -> bool:
         """Whether this phase is skipped whole (no evaluation, no step): a drafter that did not pay is left idle,
@@ -157,7 +191,7 @@ class SpotBudget:
         self.credit -= seconds
 
     def state_dict(self) -> dict:
-        names = ("phases", "fast_mean", "recent", "skip", "next_skip", "credit")
+        names = ("phases", "fast_mean", "speedup", "recent", "skip", "next_skip", "credit")
         return {name: getattr(self, name) for name in names}
 
     def load_state_dict(self, state: dict) -> None:

@@ -24,13 +24,14 @@ from ..distillation import (
     sample_features,
 )
 from .buffer import DataBuffer, take_tokens
-from .schedule import SpotBudget, SpotSchedule
+from .schedule import SpotBudget, SpotSchedule, acceptance_length, expected_speedup
 from .stats import SpotStats
 
 
 logger = logging.get_logger(__name__)
 
 AUTOCAST_ROW_MULTIPLE = 64  # a drafter step's packed row, padded to a multiple of it under autocast
+EVAL_STEPS = 4  # an evaluation reads up to this many steps' worth of tokens (256 tokens scattered it by about +-0.2)
 
 
 class SpotTrainer:
@@ -94,6 +95,7 @@ class SpotTrainer:
         self.dropped_samples = 0  # samples without features a sharded policy could not be run over (never trained on)
         self._phase_resets = 0
         self._step_seconds: float | None = None  # moving average of a drafter step's time
+        self.agreement: list[float] = []  # the latest evaluation's top-1 agreement per draft position
         self._rollout_counts: torch.Tensor | None = None  # token counts of the rollouts since the last revision
         if group is not None:
             self._broadcast_from_first_rank()
@@ -101,8 +103,7 @@ class SpotTrainer:
 
     @property
     def drafter_pays(self) -> bool:
-        """False while the time budget leaves the drafter idle (one process: it accepts too little to pay for its
-        drafting): rollouts then run without it, until a probe phase measures that it pays again."""
+        """False while the time budget leaves the drafter idle (one process: it does not pay): rollouts run without it."""
         return self.group is not None or self.steps_per_phase is not None or self.budget.share > 0
 
     def drafter_resized(self) -> None:
@@ -210,8 +211,7 @@ class SpotTrainer:
             self.optimizer.step()
         self.scheduler.step()
         self.total_steps += 1
-        # A finite loss and gradient make a finite update: the weights are checked (and the last good ones kept) once
-        # a phase, at its end (`_keep_good`), not at every step.
+        # A finite loss and gradient make a finite update: `_keep_good` checks the weights once a phase, at its end.
         return float(loss.detach())
 
     @torch.no_grad()
@@ -243,22 +243,19 @@ class SpotTrainer:
 
     @torch.no_grad()
     def evaluate(self, policy: PreTrainedModel | PolicyView, preempt=None) -> float | None:
-        """Estimated acceptance length on the latest rollout's held-out sequences: 1 + sum_j prod_{i<=j} a_i, where
-        a_i is the drafter's top-1 agreement with the policy at draft position i (teacher forced). At most one
-        step's worth of tokens; None if there is nothing held out or `preempt()` became true after the policy
-        forward."""
+        """Estimated acceptance length on the latest rollout's sequences the drafter never trained on (held out, then
+        `DataBuffer.unseen`), `EVAL_STEPS` steps' worth of tokens at most: 1 + sum_j prod_{i<=j} a_i, a_i
+        (`self.agreement`) the drafter's top-1 agreement with the policy at draft position i (teacher forced). None
+        if there is nothing to read or `preempt()` became true after the policy forward."""
         policy = PolicyView.of(policy)
         self._drop_featureless(policy)
-        held_out = take_tokens(self.buffer.held_out, self.tokens_per_step)
-        features = self._features(policy, held_out) if held_out else []
+        samples = take_tokens(self.buffer.held_out + self.buffer.unseen, EVAL_STEPS * self.tokens_per_step)
+        features = self._features(policy, samples) if samples else []
         if not features or (preempt is not None and preempt()):
             return None
         _, metrics = self._loss(policy, features, agreement=True)
-        length, run = 1.0, 1.0
-        for j in range(self.config.ttt_length if self.is_eagle else 1):
-            run *= metrics.get(f"acc_{j}", 0.0)
-            length += run
-        return length
+        self.agreement = [metrics.get(f"acc_{j}", 0.0) for j in range(self.config.ttt_length if self.is_eagle else 1)]
+        return acceptance_length(self.agreement)
 
     # ------------------------------------------------------------------------------------------ phases
     def observe_rollout(
@@ -333,9 +330,13 @@ class SpotTrainer:
             return steps_taken < self.steps_per_phase
         return self.budget.credit > 0 and self.budget.credit >= (self._step_seconds or 0.0)
 
-    def run_between_rollouts(self, policy: PreTrainedModel | PolicyView, rollout_seconds: float = 0.0) -> SpotStats:
+    def run_between_rollouts(
+        self, policy: PreTrainedModel | PolicyView, rollout_seconds: float = 0.0, step_costs: dict | None = None
+    ) -> SpotStats:  # fmt: skip
         """One process: drafter steps within the budget `SpotBudget` gives this phase (`time_budget x
-        rollout_seconds x share`), or exactly `steps_per_phase` of them; timed (this time is added to the RL step)."""
+        rollout_seconds x share`), or exactly `steps_per_phase` of them; timed (this time is added to the RL step).
+        `step_costs`: the rollout's measured cost of a verify step drafting k tokens over a plain step's
+        (`BanditSpeculation.step_costs`), by which the budget judges what the drafter pays."""
         policy = PolicyView.of(policy)
         stats = SpotStats()
         start = time.perf_counter()
@@ -348,7 +349,9 @@ class SpotTrainer:
             return stats
         evaluation_start = time.perf_counter()
         stats.eval_acceptance_length = self.evaluate(policy)
-        self.budget.observe(stats.eval_acceptance_length)
+        if stats.eval_acceptance_length is not None:
+            stats.expected_speedup = expected_speedup(self.agreement, step_costs or {})
+        self.budget.observe(stats.eval_acceptance_length, stats.expected_speedup)
         if self.steps_per_phase is None:
             stats.budget_seconds = self.budget.seconds(rollout_seconds)
             self.budget.spend(time.perf_counter() - evaluation_start)
@@ -434,11 +437,8 @@ class SpotTrainer:
         flat = torch.cat([p.detach().float().cpu().reshape(-1) for p in self.params]) * (stats.steps / total_steps)
         with self._peers("the merge of the ranks' drafters"):
             dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p).to(p.dtype))
-            offset += n
+        for p, merged in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
+            p.copy_(merged.view_as(p))
         for good, p in zip(self._good, self.params, strict=True):
             good.copy_(p)
 
