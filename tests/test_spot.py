@@ -153,22 +153,31 @@ def test_budget_follows_acceptance():
 
 def test_the_budget_weighs_agreement_against_the_measured_cost_of_a_verify_step():
     """With the verify step's cost measured, a drafter pays when its expected speed-up (its agreement's tokens per step
-    over the best k's cost) beats plain decoding; a plateau then spends at most half of what it saves. Mutation: drop
-    the speed-up from `SpotBudget.share` and the non-paying drafter gets the plateau share (min_acceptance alone)."""
+    over the best k's cost) is 1.05 or more; a plateau then spends at most half of what it saves. Mutation: drop the
+    speed-up from `SpotBudget.share` and the non-paying drafter gets the plateau share (min_acceptance alone)."""
     agreement = [0.5, 0.5, 0.5]
     assert acceptance_length(agreement) == 1.875 and acceptance_length(agreement, 1) == 1.5
     assert expected_speedup(agreement, {}) is None  # nothing measured
     assert expected_speedup(agreement, {1: 1.2, 2: 2.0, 8: 1.0}) == pytest.approx(1.5 / 1.2)  # k = 8: uncovered
-    assert expected_speedup(agreement, {1: 1.6, 2: 2.0}) == 1.0  # plain decoding wins
+    assert expected_speedup(agreement, {1: 1.6, 2: 2.0}) == pytest.approx(1.5 / 1.6)  # below 1: it slows the rollout
+    assert expected_speedup([0.0], {1: 0.9}) == 1.0  # a measured cost below a plain step's is noise: at least 1
+    # k = 2 and 3 not played yet: 1 + k x 0.1 (the measured cost per draft token), so k = 3 is the best
+    assert expected_speedup([0.9, 0.9, 0.9], {1: 1.1}) == pytest.approx(acceptance_length([0.9] * 3) / 1.3)
     budgets = {}
-    for speedup in (None, 1.0, 1.1, 3.0):
+    for speedup in (None, 0.8, 1.04, 1.1, 3.0):
         budget = budgets[speedup] = SpotBudget(time_budget=0.5)
         for _ in range(6):  # flat at 1.6: above min_acceptance
             budget.observe(1.6, speedup)
     assert budgets[None].share == 0.25  # no costs: min_acceptance decides, a plateau
-    assert budgets[1.0].share == 0.0  # it does not pay: left idle, probed later
+    assert budgets[0.8].share == budgets[1.04].share == 0.0  # it does not pay: left idle, probed later
     assert budgets[1.1].share == pytest.approx(0.1)  # saves 10% of the rollout: spends at most 5% (0.1 x 0.5)
     assert budgets[3.0].share == 0.25
+    once = SpotBudget(time_budget=0.5)  # one reading above, then below: the average is not held up by a floor
+    for speedup in (1.3, 0.7, 0.7, 0.7, 0.7, 0.7):
+        once.observe(1.6, speedup)
+    assert once.share == 0.0
+    budgets[1.1].observe(1.6, None)  # costs no longer measured: min_acceptance decides again
+    assert budgets[1.1].speedup is None and budgets[1.1].share == 0.25
     rising = SpotBudget(time_budget=0.5)
     for value in (1.2, 1.4, 1.6):  # still learning: full share, whatever it pays yet
         rising.observe(value, 1.0)
@@ -468,3 +477,27 @@ def test_a_sample_shorter_than_the_training_time_test_trains(policy):
     buffer.add([[1, 2]] * 8, [[5]] * 8)
     spot = SpotTrainer(Eagle3Model.for_policy(policy), buffer, tokens_per_step=2)
     assert spot.step(policy) is not None and spot.evaluate(policy) is not None
+
+
+def test_the_budget_reads_the_costs_of_the_rollouts_own_engine_steps_for_the_learned_drafters_k():
+    """`RolloutStack.verify_costs`: the bandit's measured costs at the bucket most of the rollout's engine steps ran in
+    (every turn's), only for k the learned drafter drafts (hybrid lookups draft past it), and none where nothing was
+    measured: no engine turn (vLLM's rollout), modelled costs (`selector_deterministic`)."""
+    from types import SimpleNamespace
+
+    from trl_tlt.engine.speculation import Arm, BanditSpeculation
+    from trl_tlt.trainer.stack import RolloutStack, RolloutTurn
+
+    bandit = BanditSpeculation(arms=[Arm("default", k) for k in (1, 2, 8)])
+    for bucket, scale in ((2, 1.0), (8, 3.0)):
+        for arm, seconds in ((Arm(None, 0), 1.0), (Arm("default", 1), 1.2), (Arm("default", 2), 1.5)):
+            bandit.update(bucket, arm, 1, seconds * scale)
+        bandit.update(bucket, Arm("default", 8), 1, 2.5 * scale)
+    stack = RolloutStack(None, None, bandit, bandit, None, torch.Generator())
+    turns = [RolloutTurn([], [], 1.0, batch_sizes=[8, 7, 2]), RolloutTurn([], [], 1.0, batch_sizes=[2, 2])]
+    assert stack.verify_costs(turns) == pytest.approx({1: 1.2, 2: 1.5, 8: 2.5})  # bucket 2: 3 of 5 steps
+    assert stack.verify_costs([RolloutTurn([], [], 1.0)]) == {}  # no engine turn
+    stack.hybrid = SimpleNamespace(learned_tokens=2)
+    assert set(stack.verify_costs(turns)) == {1, 2}
+    stack.speculation = BanditSpeculation(arms=[Arm("default", 1)], cost_model=lambda arm: 1.0 + arm.k)
+    assert stack.verify_costs(turns) == {}

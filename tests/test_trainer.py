@@ -15,6 +15,7 @@ from trl.trainer import grpo_trainer
 from trl_tlt import TLTConfig, TLTGRPOTrainer
 from trl_tlt.drafters.eagle3 import Eagle3Model
 from trl_tlt.engine.speculation import BanditSpeculation, FixedSpeculation
+from trl_tlt.trainer.stack import RolloutTurn
 from trl_tlt.training.spot.schedule import expected_speedup
 from trl_tlt.vllm.generation import speculative_config
 
@@ -118,8 +119,9 @@ def test_trains_one_step_with_tlt_metrics(tiny_model_dirs, tmp_path, drafter_typ
         assert costs and all(logged[f"tlt/verify_cost_k{k}"] == pytest.approx(c) for k, c in costs.items())
     if drafter_type == "eagle3":  # a new head trains online: the budget weighed its agreement against those costs
         spot = trainer.tlt.spot
-        expected = expected_speedup(spot.agreement, trainer.tlt.verify_costs())
-        assert logged["tlt/drafter_expected_speedup"] == pytest.approx(expected) and expected >= 1.0
+        turns = [RolloutTurn([], [], 0.0, batch_sizes=trainer.tlt_last_stats.active_batch_sizes)]
+        expected = expected_speedup(spot.agreement, trainer.tlt.verify_costs(turns))
+        assert logged["tlt/drafter_expected_speedup"] == pytest.approx(expected) and expected > 0
         assert spot.budget.speedup == pytest.approx(expected)
 
 

@@ -105,8 +105,9 @@ class TLTConfig(GRPOConfig):
         spot_time_budget (`float`, *optional*, defaults to `0.5`):
             With one process: drafter training between two rollouts takes at most this many seconds per second of the
             rollout. How much of it a phase spends follows the drafter's measured acceptance (docs/spot.md): all of it
-            for a new head and while acceptance falls or rises, a quarter on a plateau, none (with a probe now and
-            then) for a drafter that accepts too little to pay. `0` = never train between rollouts.
+            for a new head and while acceptance falls or rises, on a plateau a quarter or half of what the drafter
+            saves if less, none (with a probe now and then) for a drafter that would not speed the rollout up by 5%
+            at the measured cost of a verify step. `0` = never train between rollouts.
         spot_buffer_steps (`int`, *optional*, defaults to `2`):
             Rollouts kept in the drafter's data buffer (TLT's one-step offset: the current and the previous one).
         spot_buffer_max_tokens (`int`, *optional*, defaults to `262144`):

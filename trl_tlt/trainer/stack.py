@@ -53,13 +53,15 @@ def drafter_model(drafter: Drafter | None) -> Eagle3Model | PreTrainedModel | No
 class RolloutTurn(NamedTuple):
     """One generation turn: the prompts (tool results included after a rollout's first turn) and what the policy
     sampled after them, in `seconds`; `spec_stats`: vLLM's acceptance over the turn (None on trl-tlt's engine);
-    `features`: the policy's hidden states the engine recorded for drafter training, per row (None: none)."""
+    `features`: the policy's hidden states the engine recorded for drafter training, per row (None: none);
+    `batch_sizes`: the engine's active batch size at each decode step (None: not the engine's turn)."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     seconds: float
     spec_stats: dict[str, float] | None = None
     features: list[torch.Tensor] | None = None
+    batch_sizes: list[int] | None = None
 
 
 @dataclass
@@ -192,7 +194,8 @@ class RolloutStack:
         # Copies: GRPOTrainer's tool loop replaces the returned completions in place with completion + tool result +
         # the next turn, tokens the policy did not sample.
         prompts, completions = [list(p) for p in prompt_ids], [list(c) for c in out.completion_ids]
-        self.record(RolloutTurn(prompts, completions, out.stats.total_s, features=out.features))
+        turn = RolloutTurn(prompts, completions, out.stats.total_s, features=out.features)
+        self.record(turn._replace(batch_sizes=list(out.stats.active_batch_sizes)))
         self.last_stats = out.stats
         return out
 
@@ -249,14 +252,17 @@ class RolloutStack:
             return None
         return PolicyView(self.policy_weights.output_embedding, config)
 
-    def verify_costs(self) -> dict[int, float]:
-        """The measured cost of a decode step drafting k tokens over a plain step's (`BanditSpeculation.step_costs`)
-        at the bucket most of the latest engine turn's steps ran in: what the time budget weighs the drafter's
-        agreement against. Empty where none was measured (a fixed k, vLLM's rollouts)."""
-        stats = self.last_stats
-        if not isinstance(self.speculation, BanditSpeculation) or stats is None or not stats.active_batch_sizes:
+    def verify_costs(self, turns: list[RolloutTurn]) -> dict[int, float]:
+        """The measured cost of a decode step drafting k tokens (k the learned drafter drafts) over a plain step's
+        (`BanditSpeculation.step_costs`), at the bucket most of the rollout's engine steps ran in: what the time budget
+        weighs the drafter's agreement against. Empty where none was measured: a fixed k, modelled costs
+        (`selector_deterministic`), a rollout without engine turns (vLLM's)."""
+        speculation, sizes = self.speculation, [b for turn in turns for b in turn.batch_sizes or ()]
+        if not isinstance(speculation, BanditSpeculation) or speculation.cost_model is not None or not sizes:
             return {}
-        return self.speculation.step_costs(dominant_bucket(stats.active_batch_sizes))
+        costs = speculation.step_costs(dominant_bucket(sizes))
+        k_max = self.hybrid.learned_tokens if self.hybrid is not None else None  # lookups alone draft past it
+        return {k: cost for k, cost in costs.items() if k_max is None or k <= k_max}
 
     def train_drafter(
         self, policy: PreTrainedModel | PolicyView | None, turns: list[RolloutTurn], version: int | None = None
@@ -278,7 +284,7 @@ class RolloutStack:
         if spot.group is None:  # one process: within the time budget, which the rollout's seconds set
             if policy is None:  # a sharded policy no rollout copied yet: nothing to train with
                 return None
-            self.last_spot = spot.run_between_rollouts(policy, sum(t.seconds for t in turns), self.verify_costs())
+            self.last_spot = spot.run_between_rollouts(policy, sum(t.seconds for t in turns), self.verify_costs(turns))
             return self.last_spot
         # several: while the other ranks still generate, then the merge
         refused, self.spot_refused = self.spot_refused, False

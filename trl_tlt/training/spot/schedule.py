@@ -53,13 +53,17 @@ def acceptance_length(agreement: list[float], k: int | None = None) -> float:
 
 
 def expected_speedup(agreement: list[float], step_costs: dict[int, float]) -> float | None:
-    """A rollout's expected speed-up with the drafter: the best of `acceptance_length(agreement, k) / cost(k)` over the
-    k whose verify step's cost over a plain step's was measured (`BanditSpeculation.step_costs`) and that the
-    agreement covers, and 1 (no speculation). None where no cost was measured."""
-    costs = {k: c for k, c in step_costs.items() if 0 < k <= len(agreement) and c > 0}
-    if not costs:
+    """A rollout's expected speed-up when speculating with the drafter at its best k: the most of
+    `acceptance_length(agreement, k) / cost(k)` over the k the agreement covers, where cost(k) is the measured cost of
+    a step drafting k tokens over a plain step's (`BanditSpeculation.step_costs`), at least 1, and a k not measured yet
+    costs 1 + k x the steepest measured cost per draft token. Below 1: speculating with it slows the rollout. None
+    where no cost was measured."""
+    measured = {k: max(c, 1.0) for k, c in step_costs.items() if k > 0}
+    if not measured or not agreement:
         return None
-    return max(1.0, *(acceptance_length(agreement, k) / cost for k, cost in costs.items()))
+    slope = max((c - 1.0) / k for k, c in measured.items())
+    costs = [measured.get(k, 1.0 + k * slope) for k in range(1, len(agreement) + 1)]
+    return max(acceptance_length(agreement, k) / cost for k, cost in enumerate(costs, start=1))
 
 
 def _moving(mean: float | None, value: float, weight: float) -> float:
@@ -76,14 +80,14 @@ class SpotBudget:
     acceptance length `a` over the last `window` phases (the least-squares line's change across them; a trend counts
     when it exceeds `tolerance` and twice its standard error, so that the measurements' scatter is not taken for
     learning), and what it pays: the rollout's expected speed-up `s` with it (`expected_speedup`: its measured
-    agreement over the measured cost of a verify step; a moving average), or, before those costs are measured, its
-    acceptance length's level against `min_acceptance`:
+    agreement over the measured cost of a verify step; a moving average), or, where those costs are not measured,
+    its acceptance length's level against `min_acceptance`:
 
         warm-up (a new head's first `warmup_phases`, or fewer than 3 measurements)  share 1
         trend > +threshold (still learning, however low it still is)                share 1
         trend < -threshold (drift: the policy moved away from it)                   share 1
-        flat, s <= 1 (or a < `min_acceptance`): stopped improving, does not pay      share 0: skip 1, 2, 4, ... phases,
-                                                                                      then probe again
+        flat, s < `min_speedup` (or a < `min_acceptance`): stopped improving, does   share 0: skip 1, 2, 4, ... phases,
+        not pay                                                                       then probe again
         flat otherwise (plateau)                                                     share `plateau_share`, at most
                                                                                       (s - 1) / (2 x time_budget): a
                                                                                       plateau spends at most half of
@@ -93,8 +97,9 @@ class SpotBudget:
         time_budget: Drafter-training seconds per second of rollout, at most (`TLTConfig.spot_time_budget`).
         warmup_phases: Phases a new head trains at the full share whatever it measures (0 for a warm start).
         plateau_share: Share of the budget on a plateau.
-        min_acceptance: Acceptance length below which a drafter does not pay for its drafting, until the verify
-            step's cost is measured.
+        min_speedup: Expected speed-up below which a drafter does not pay for its drafting and evaluation.
+        min_acceptance: Acceptance length below which a drafter does not pay for its drafting, where the verify
+            step's cost is not measured.
         tolerance: Change across the window that counts as a trend (acceptance-length units).
         window: Phases the trend is fitted over.
         fast: Weight of the newest measurement in the level's moving average.
@@ -108,6 +113,7 @@ class SpotBudget:
     time_budget: float = 0.5
     warmup_phases: int = 0
     plateau_share: float = 0.25
+    min_speedup: float = 1.05
     min_acceptance: float = 1.3
     tolerance: float = 0.05
     window: int = 6
@@ -115,7 +121,7 @@ class SpotBudget:
     max_skip: int = 16
     phases: int = 0  # phases observed
     fast_mean: float | None = None
-    speedup: float | None = None  # moving average of the expected speed-up (None: costs not measured yet)
+    speedup: float | None = None  # moving average of the expected speed-up (None: costs not measured)
     recent: list[float] = field(default_factory=list)  # the last `window` measurements
     skip: int = 0  # phases left to skip
     next_skip: int = 1  # length of the next run of skipped phases
@@ -128,8 +134,7 @@ class SpotBudget:
         if acceptance is None:
             return
         self.fast_mean = _moving(self.fast_mean, acceptance, self.fast)
-        if speedup is not None:
-            self.speedup = _moving(self.speedup, speedup, self.fast)
+        self.speedup = None if speedup is None else _moving(self.speedup, speedup, self.fast)
         self.recent = [*self.recent, acceptance][-self.window :]
 
     def _line(self) -> tuple[float, float] | None:
@@ -162,7 +167,7 @@ class SpotBudget:
             return 1.0
         if self.speedup is None:
             return 0.0 if self.fast_mean < self.min_acceptance else self.plateau_share
-        if self.speedup <= 1.0:
+        if self.speedup < self.min_speedup:
             return 0.0
         return min(self.plateau_share, (self.speedup - 1.0) / (2 * max(self.time_budget, 1e-9)))
 

@@ -15,8 +15,8 @@ class SpotStats:
     preempted: int = 0  # drafter steps abandoned because the other ranks were done
     resets: int = 0  # drafter steps discarded, or weights rolled back, because something was not finite
     losses: list[float] = field(default_factory=list)
-    eval_acceptance_length: float | None = None  # estimate on the latest rollout's held-out sequences
-    expected_speedup: float | None = None  # one process: the rollout's, with the drafter (`expected_speedup`)
+    eval_acceptance_length: float | None = None  # estimate on the latest rollout's sequences it never trained on
+    expected_speedup: float | None = None  # one process: the rollout's, speculating with it (`expected_speedup`)
     skipped: bool = False  # one process: the phase was skipped whole (a drafter that does not pay, left idle)
     budget_seconds: float | None = None  # one process: the credit the time budget gave this phase
     draft_vocab_coverage: float | None = None  # share of the latest rollout's tokens in the draft vocabulary
