@@ -277,9 +277,10 @@ def run_trainer(
     selector = sorted({k for h in logs for k in h if k.startswith(("tlt/verify_cost", "tlt/k_bucket"))})
     for key in ("tlt/mean_acceptance_length", "tlt/spot_seconds", "tlt/drafter_steps", "tlt/spot_budget_share",
                 "tlt/drafter_eval_acceptance_length", "tlt/rollout_seconds", "tlt/draft_vocab_coverage",
-                "tlt/drafter_rerun_samples", *selector):  # fmt: skip
+                "tlt/drafter_rerun_samples", "tlt/drafter_expected_speedup", "tlt/rollout_tokens_per_second",
+                "completions/mean_length", *selector):  # fmt: skip
         if any(key in h for h in logs):
-            result[key.removeprefix("tlt/")] = [h.get(key) for h in logs]
+            result[key.removeprefix("tlt/").replace("/", "_")] = [h.get(key) for h in logs]
     if kind != "grpo":  # the head at the end, on held-out prompts, the engine speculating k = 6 at every step
         from trl_tlt.training.warm_start import evaluate_acceptance
 

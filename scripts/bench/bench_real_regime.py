@@ -277,11 +277,23 @@ def part_raw(args) -> dict:
     runs = {kind: run_trainer(kind, steps, None, completion=96) for kind in ("grpo", "tlt")}
     runs["engine_alone"] = run_trainer("tlt", steps, {"drafter_type": "none"}, completion=96)
     engine = swap_summary("engine_alone", runs["grpo"], runs["engine_alone"])
+
+    def over_steps_10_30(run, key, average=statistics.median):
+        return average(runs[run][key][9:])
+
     return {
         "raw": {"steps": args.swap_steps, "runs": runs},
         **swap_summary("real_model", runs["grpo"], runs["tlt"]),
         "real_model_engine_alone_step_ratio": engine["engine_alone_step_ratio"],
         "real_model_engine_alone_rollout_ratio": engine["engine_alone_rollout_ratio"],
+        # the two runs sample different completions (the head's drafts draw from the sampling stream): their rollouts
+        # compared per token, and how long their samples were
+        "real_model_tokens_per_second_over_engine_alone": over_steps_10_30("tlt", "rollout_tokens_per_second")
+        / over_steps_10_30("engine_alone", "rollout_tokens_per_second"),
+        "real_model_mean_length_tlt": over_steps_10_30("tlt", "completions_mean_length", statistics.fmean),
+        "real_model_mean_length_engine_alone": over_steps_10_30(
+            "engine_alone", "completions_mean_length", statistics.fmean
+        ),
     }
 
 
