@@ -501,3 +501,28 @@ def test_the_budget_reads_the_costs_of_the_rollouts_own_engine_steps_for_the_lea
     assert set(stack.verify_costs(turns)) == {1, 2}
     stack.speculation = BanditSpeculation(arms=[Arm("default", 1)], cost_model=lambda arm: 1.0 + arm.k)
     assert stack.verify_costs(turns) == {}
+
+
+def test_an_evaluation_computes_the_agreement_alone_and_the_same_agreement(policy):
+    """`eagle3_loss(loss=False)` (what `SpotTrainer.evaluate` runs): no loss, the same per-position agreement as with
+    the loss, and that agreement is the drafter's and the policy's top token compared at every position."""
+    from trl_tlt.drafters.eagle3.model import shift_left
+    from trl_tlt.training.distillation import eagle3_loss, pack, top1_agreement
+
+    spot = spot_trainer(policy, tokens_per_step=256)
+    for _ in range(10):
+        spot.step(policy)
+    view = PolicyView.of(policy)
+    row = pack(spot._features(view, spot.buffer.samples[:6]), 1 << 62)[0]
+    head = spot.drafter
+    with torch.no_grad():
+        loss, with_loss = eagle3_loss(head, view.head_weight, row, spot.config)
+        zero, alone = eagle3_loss(head, view.head_weight, row, spot.config, loss=False)
+        outputs = head.ttt_forward(row.input_ids, head.fc(row.aux), row.position_ids, row.seq_ids, 2)
+    assert loss > 0 and zero == 0 and not any(key.startswith("kl") for key in alone)
+    accs = {key: value for key, value in with_loss.items() if key.startswith("acc")}
+    assert accs == alone and len(accs) == spot.config.ttt_length and 0 < accs["acc_0"] < 1
+    mask = shift_left(row.loss_mask, 1, False) & (shift_left(row.seq_ids, 1, -1) == row.seq_ids) & (row.seq_ids > 0)
+    teacher_weight = view.head_weight[head.draft_ids]
+    student, teacher = head.norm(outputs[1])[mask], shift_left(row.teacher, 1, 0.0)[mask]
+    assert alone["acc_1"] == pytest.approx(top1_agreement(student, head.lm_head.weight, teacher, teacher_weight))

@@ -228,14 +228,18 @@ def distill_kl(
 
 
 @torch.no_grad()
+def top1_ids(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """The most likely token of each row of `hidden` (..., H) under the LM head `weight` (V, H), chunked over rows."""
+    rows = hidden.reshape(-1, hidden.size(-1))
+    ids = [(chunk.to(weight.dtype) @ weight.t()).argmax(-1) for chunk in rows.split(chunk_size)]
+    return torch.cat(ids).reshape(hidden.shape[:-1]) if ids else rows.new_zeros(hidden.shape[:-1], dtype=torch.long)
+
+
+@torch.no_grad()
 def top1_agreement(student_in, student_weight, teacher_in, teacher_weight, chunk_size: int = 1024) -> float:
     """Fraction of rows where drafter and policy agree on the most likely token (chunked)."""
-    hits = 0
-    for begin in range(0, student_in.size(0), chunk_size):
-        s = student_in[begin : begin + chunk_size] @ student_weight.t()
-        t = teacher_in[begin : begin + chunk_size].to(teacher_weight.dtype) @ teacher_weight.t()
-        hits += int((s.argmax(-1) == t.argmax(-1)).sum())
-    return hits / max(student_in.size(0), 1)
+    hits = top1_ids(student_in, student_weight, chunk_size) == top1_ids(teacher_in, teacher_weight, chunk_size)
+    return int(hits.sum()) / max(student_in.size(0), 1)
 
 
 def eagle3_loss(
@@ -244,26 +248,35 @@ def eagle3_loss(
     batch: PackedBatch,
     config: DistillConfig,
     agreement: bool = True,
+    loss: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """TTT distillation loss of one packed batch; returns the loss and per-step metrics (`kl_j`, and with `agreement`
-    the top-1 agreement `acc_j`, two more vocabulary projections per step)."""
+    the top-1 agreement `acc_j`: the policy's top token once per position, the drafter's per step). `loss=False`:
+    the agreement alone (an evaluation), the loss 0."""
     teacher_weight = policy_head_weight.detach()[head.draft_ids]
     fused = head.fc(batch.aux.to(head.fc.weight.dtype))
     outputs = head.ttt_forward(batch.input_ids, fused, batch.position_ids, batch.seq_ids, config.ttt_length)
     total = fused.new_zeros(())
     metrics: dict[str, float] = {}
+    policy_top = top1_ids(batch.teacher, teacher_weight, config.chunk_size) if agreement else None
     for j, prenorm in enumerate(outputs):
         same = shift_left(batch.seq_ids, j, -1) == batch.seq_ids
         mask = shift_left(batch.loss_mask, j, False) & same & (batch.seq_ids > 0)
         if not mask.any():
             continue
         student = head.norm(prenorm)[mask]
+        if agreement:
+            hits = (
+                top1_ids(student.detach(), head.lm_head.weight, config.chunk_size)
+                == shift_left(policy_top, j, -1)[mask]
+            )
+            metrics[f"acc_{j}"] = float(hits.float().mean())
+        if not loss:
+            continue
         teacher = shift_left(batch.teacher, j, 0.0)[mask]
         kl = distill_kl(student, head.lm_head.weight, teacher, teacher_weight, config.chunk_size)
         total = total + config.weights[j] * kl
         metrics[f"kl_{j}"] = float(kl.detach())
-        if agreement:
-            metrics[f"acc_{j}"] = top1_agreement(student.detach(), head.lm_head.weight, teacher, teacher_weight)
         if config.hidden_loss_weight:
             total = total + config.hidden_loss_weight * F.smooth_l1_loss(student, teacher.to(student.dtype))
     return total, metrics

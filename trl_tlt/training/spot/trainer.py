@@ -134,7 +134,7 @@ class SpotTrainer:
         if self.is_eagle:  # one packed row: the sample is already at most tokens_per_step long
             multiple = AUTOCAST_ROW_MULTIPLE if self.autocast_dtype is not None else 1  # few shapes for oneDNN's bf16
             row = pack(features, 1 << 62, pad_to_multiple_of=multiple)[0]
-            return eagle3_loss(self.drafter, head_weight, row, self.config, agreement)
+            return eagle3_loss(self.drafter, head_weight, row, self.config, agreement, loss=not agreement)
         return lm_distill_loss(self.drafter, head_weight, features, self.config.chunk_size)
 
     @contextlib.contextmanager
