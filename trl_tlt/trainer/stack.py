@@ -194,8 +194,8 @@ class RolloutStack:
         # Copies: GRPOTrainer's tool loop replaces the returned completions in place with completion + tool result +
         # the next turn, tokens the policy did not sample.
         prompts, completions = [list(p) for p in prompt_ids], [list(c) for c in out.completion_ids]
-        turn = RolloutTurn(prompts, completions, out.stats.total_s, features=out.features)
-        self.record(turn._replace(batch_sizes=list(out.stats.active_batch_sizes)))
+        sizes = out.stats.active_batch_sizes
+        self.record(RolloutTurn(prompts, completions, out.stats.total_s, features=out.features, batch_sizes=sizes))
         self.last_stats = out.stats
         return out
 
