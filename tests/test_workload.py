@@ -180,6 +180,8 @@ def test_build_drift_policy_caches_the_start_policy_and_its_drafter(tmp_path):
         and drafter.name == f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"
     )
     assert (policy / "config.json").exists() and (drafter / "config.json").exists()
-    assert (tmp_path / f"policy-{base.key()}").exists()  # fine-tuned from the embedded policy's recipe
+    assert not (tmp_path / f"policy-{base.key()}").exists()  # one SFT from scratch: the embedded policy is not built
+    saved = json.loads((policy / "recipe.json").read_text())
+    assert saved["num_examples"] == 64 and saved["drafter"] is None
     assert not list(tmp_path.glob("*.tmp"))
     assert build_drift_policy(recipe, cache_dir=tmp_path, verbose=False) == (policy, drafter)

@@ -1,9 +1,9 @@
 """The main job (`make demo`): GRPO with TLTGRPOTrainer on the embedded workload, built offline, next to TRL's own.
 
-Builds (or reuses from the cache) the drift scenario of `trl_tlt.tooling.workload` (`build_drift_policy`: the embedded SFT
-policy fine-tuned so that a second solution style is in its support, and its warm-start EAGLE-3 drafter); GRPO under
-`style_reward` (1 for a correct answer, times 1.5 in the "Step 1: 7+13=20" style) moves the policy to that style
-while the reward rises, so a drafter frozen at the start goes stale. Then:
+Builds (or reuses from the cache) the drift scenario of `trl_tlt.tooling.workload` (`build_drift_policy`: a policy
+trained by SFT on solutions in two styles, the second written in about one sample in three, and its warm-start EAGLE-3
+drafter); GRPO under `style_reward` (1 for a correct answer, times 1.5 in the "Step 1: 7+13=20" style) moves the policy
+to that style while the reward rises, so a drafter frozen at the start goes stale. Then:
 
 1. runs GRPO with `TLTGRPOTrainer` (EAGLE-3 drafter trained online between rollouts with `TLTConfig`'s defaults;
    bandit selector), printing a
@@ -34,6 +34,9 @@ from pathlib import Path
 
 PROMPT_SEED = 2024  # the training prompts (make_dataset)
 EVAL_SEED = 999  # the held-out prompts of the drafter evaluations, never trained on
+# GRPO's learning rate per scenario: in the drift scenario, high enough that the policy moves to the steps style
+# within the run's 30 steps (at 3e-5 its share went from 0.33 to 0.47).
+DEFAULT_LEARNING_RATE = {"drift": 1e-4, "embedded": 3e-5}
 COLUMNS = ("step", "reward", "steps style", "rollout s", "step s", "accept len", "spec frac", "drafter loss")
 
 
@@ -46,7 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="drift",
         help="drift: the drift scenario's policy and style_reward; embedded: the embedded policy, accuracy reward.",
     )
-    parser.add_argument("--learning-rate", type=float, default=3e-5)
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="Both trainers' learning rate (default: 1e-4 in the drift scenario, 3e-5 in the embedded one).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Both trainers' seed.")
     parser.add_argument(
         "--spot-learning-rate",
@@ -145,7 +153,7 @@ def grpo_settings(args, tensorboard: bool) -> tuple[dict, object]:
         num_generations=8,
         max_completion_length=args.max_completion_length,
         max_steps=args.steps,
-        learning_rate=args.learning_rate,
+        learning_rate=args.learning_rate or DEFAULT_LEARNING_RATE[args.scenario],
         logging_steps=1,
         save_strategy="no",
         seed=args.seed,

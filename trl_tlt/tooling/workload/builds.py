@@ -15,7 +15,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from .task import DRIFT_STEP_MIXTURE, SFT_STEP_MIXTURE, TaskConfig, make_dataset, prompt_token_ids
+from .task import SFT_STEP_MIXTURE, TaskConfig, make_dataset, prompt_token_ids
 
 
 def recipe_key(recipe) -> str:
@@ -192,36 +192,50 @@ def train_sft(
     return model.eval()
 
 
-def _build_sft_model(path: Path, tokenizer, num_hidden_layers: int, recipe: PolicyRecipe, verbose: bool) -> Path:
-    """Train a Qwen2 model of the recipe's width with `num_hidden_layers` by SFT and save it atomically at `path`."""
+def _build_sft_model(
+    path: Path,
+    tokenizer,
+    shape: PolicyRecipe,
+    data: Dataset,
+    schedule: tuple[int, float],
+    seed: int,
+    recipe,
+    verbose: bool,
+) -> Path:
+    """Train a new Qwen2 model of `shape` on `data` by SFT (`schedule`: batch size, learning rate), seeded with
+    `seed`, and save it with `recipe` atomically at `path`."""
     from ..tiny import build_tiny_model
 
     start = time.perf_counter()
-    with deterministic_build(recipe.seed):
+    with deterministic_build(seed):
         model = build_tiny_model(
             tokenizer,
             arch="qwen2",
-            hidden_size=recipe.hidden_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=recipe.num_attention_heads,
-            intermediate_size=recipe.intermediate_size,
+            hidden_size=shape.hidden_size,
+            num_hidden_layers=shape.num_hidden_layers,
+            num_attention_heads=shape.num_attention_heads,
+            intermediate_size=shape.intermediate_size,
             max_position_embeddings=1024,
-            seed=recipe.seed,
+            seed=seed,
         )
         if verbose:
             n = sum(p.numel() for p in model.parameters())
             print(
-                f"training {path.name} ({n / 1e6:.2f}M parameters, {num_hidden_layers} layers) by SFT ...", flush=True
+                f"training {path.name} ({n / 1e6:.2f}M parameters, {shape.num_hidden_layers} layers) by SFT ...",
+                flush=True,
             )
-        data = sft_dataset(recipe)
-        model = train_sft(
-            model, tokenizer, data, recipe.sft_batch_size, recipe.sft_learning_rate, recipe.seed, verbose
-        )
+        model = train_sft(model, tokenizer, data, *schedule, seed, verbose)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     save_build(model, tokenizer, path, recipe)
     if verbose:
         print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
     return path
+
+
+def _build_from_policy_recipe(path: Path, tokenizer, recipe: PolicyRecipe, verbose: bool) -> Path:
+    """A model of `recipe`, trained on the recipe's SFT data with its schedule."""
+    schedule = (recipe.sft_batch_size, recipe.sft_learning_rate)
+    return _build_sft_model(path, tokenizer, recipe, sft_dataset(recipe), schedule, recipe.seed, recipe, verbose)
 
 
 def build_policy(
@@ -232,7 +246,7 @@ def build_policy(
     path = Path(cache_dir or default_cache_dir()) / f"policy-{recipe.key()}"
     if (path / "config.json").exists():
         return path
-    return _build_sft_model(path, build_policy_tokenizer(recipe), recipe.num_hidden_layers, recipe, verbose)
+    return _build_from_policy_recipe(path, build_policy_tokenizer(recipe), recipe, verbose)
 
 
 def build_draft_lm(
@@ -249,7 +263,8 @@ def build_draft_lm(
     path = policy_path.parent / f"draft-lm-{recipe.key()}-L{num_hidden_layers}"
     if (path / "config.json").exists():
         return path
-    return _build_sft_model(path, AutoTokenizer.from_pretrained(policy_path), num_hidden_layers, recipe, verbose)
+    shape = dataclasses.replace(recipe, num_hidden_layers=num_hidden_layers)
+    return _build_from_policy_recipe(path, AutoTokenizer.from_pretrained(policy_path), shape, verbose)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,38 +364,52 @@ def _warm_start_eagle3(
 
 @dataclasses.dataclass(frozen=True)
 class DriftRecipe:
-    """The drift scenario's start policy: the embedded policy fine-tuned so that a second solution style ("steps")
-    is in its support, rarely; GRPO under `style_reward` then moves the policy to it (its hash is the cache key).
+    """The drift scenario's start policy: a policy of the embedded one's shape and tokenizer, trained by one SFT from
+    scratch on solutions in which a second style ("steps") is in its support; GRPO under `style_reward` then moves the
+    policy to it (its hash is the cache key).
 
     Args:
-        policy: The embedded policy it starts from.
-        steps_prompt_fraction: Fraction of the fine-tuning prompts that ask for the "steps" style (", in steps")
-            and are answered in it: practice in that style (so that GRPO's move to it costs little accuracy)
-            without the start policy writing it more often unasked.
+        policy: The embedded policy's recipe: the tokenizer, the model's shape, and the SFT data the frozen head
+            warm-starts on (`drafter`). The embedded policy itself is not built.
+        steps_prompt_fraction: Fraction of the SFT prompts that ask for the "steps" style (", in steps") and are
+            answered in it: practice in that style (so that GRPO's move to it costs little accuracy) without the
+            start policy writing it more often unasked.
         steps_style_fraction: Fraction of the other (plain) prompts answered in the "steps" style unasked: how
             often the start policy writes it on the RL task's prompts, which never ask for it.
-        task: The fine-tuning problems (more long ones than the embedded policy's SFT, so that the steps style is
-            practised on them too).
-        num_examples, batch_size, learning_rate: The fine-tune (one pass, AdamW, cosine).
+        task: The SFT problems.
+        num_examples, batch_size, learning_rate: The SFT (one pass, AdamW, cosine). Small batches: on 2 cores the
+            task's arithmetic is learned per optimizer step more than per example (16,000 examples in batches of 8
+            take about as long as 8,000 in batches of 32 and reach the loss that 40,000 in batches of 32 reach).
         drafter: The warm start of its EAGLE-3 drafter (the one kept frozen for comparison): offline, on the
             embedded policy's SFT data (all in the compact style) with this policy's features, as EAGLE heads are
             trained on a fixed chat corpus.
-        seed: Seeds the data and training.
+        seed: Seeds the initialisation and training (the data: `seed + 1`).
     """
 
     policy: PolicyRecipe = PolicyRecipe()
-    steps_prompt_fraction: float = 0.5
-    steps_style_fraction: float = 0.15
-    task: TaskConfig = TaskConfig(step_mixture=DRIFT_STEP_MIXTURE)
-    num_examples: int = 19200
-    batch_size: int = 32
-    learning_rate: float = 3e-4
-    drafter: DrafterRecipe = DrafterRecipe()
+    steps_prompt_fraction: float = 0.25
+    steps_style_fraction: float = 0.3
+    task: TaskConfig = TaskConfig(step_mixture=SFT_STEP_MIXTURE)
+    num_examples: int = 16000
+    batch_size: int = 8
+    learning_rate: float = 1e-3
+    drafter: DrafterRecipe = DrafterRecipe(epochs=2)
     seed: int = 0
 
     def key(self) -> str:
         """The start policy's cache key: every field but `drafter` (the head is keyed by both)."""
         return recipe_key(dataclasses.replace(self, drafter=None))
+
+    def sft_dataset(self) -> Dataset:
+        """The start policy's SFT data: the problems of `sft_dataset(policy)` when `task` and the seeds agree."""
+        return make_dataset(
+            self.num_examples,
+            seed=self.seed + 1,
+            task=self.task,
+            with_solutions=True,
+            steps_style_fraction=self.steps_style_fraction,
+            steps_prompt_fraction=self.steps_prompt_fraction,
+        )
 
 
 def build_drift_policy(
@@ -393,33 +422,10 @@ def build_drift_policy(
     start goes stale.
     """
     recipe = recipe or DriftRecipe()
-    base = build_policy(recipe.policy, cache_dir, verbose)
-    path = base.parent / f"drift-{recipe.key()}"
+    path = Path(cache_dir or default_cache_dir()) / f"drift-{recipe.key()}"
     if not (path / "config.json").exists():
-        with deterministic_build(recipe.seed):
-            _fine_tune_drift(base, path, recipe, verbose)
+        tokenizer = build_policy_tokenizer(recipe.policy)
+        schedule, saved = (recipe.batch_size, recipe.learning_rate), dataclasses.replace(recipe, drafter=None)
+        _build_sft_model(path, tokenizer, recipe.policy, recipe.sft_dataset(), schedule, recipe.seed, saved, verbose)
     name = f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"
     return path, _warm_start_eagle3(path, name, recipe.drafter, verbose, sft=recipe.policy)
-
-
-def _fine_tune_drift(base: Path, path: Path, recipe: DriftRecipe, verbose: bool) -> None:
-    """The drift scenario's start policy: the embedded policy fine-tuned on the mixed-style data, saved atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    start = time.perf_counter()
-    if verbose:
-        print(f"fine-tuning {path.name} (drift scenario's start policy) ...", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    data = make_dataset(
-        recipe.num_examples,
-        seed=recipe.seed + 11,
-        task=recipe.task,
-        with_solutions=True,
-        steps_style_fraction=recipe.steps_style_fraction,
-        steps_prompt_fraction=recipe.steps_prompt_fraction,
-    )
-    model = train_sft(model, tokenizer, data, recipe.batch_size, recipe.learning_rate, recipe.seed, verbose)
-    save_build(model, tokenizer, path, dataclasses.replace(recipe, drafter=None))
-    if verbose:
-        print(f"{path.name} built in {time.perf_counter() - start:.0f}s", flush=True)
