@@ -12,7 +12,7 @@ then states the answer after `####`::
 
 The number of additions is heavy-tailed (most problems need 1-3, a few up to 30), so solution lengths are
 long-tailed like reasoning RL: a few rollouts run 10-20x longer than the median. The reward is 1 for a correct
-final answer. The policy is a Qwen2-architecture model (8 decoder layers, ~2.5M parameters) trained by SFT on
+final answer. The policy is a Qwen2-architecture model (8 decoder layers, ~2.2M parameters) trained by SFT on
 generated solutions (`train_sft`), cached on disk under a key derived from the recipe. The drift scenario
 (`build_drift_policy`, the demo's) trains a policy of the same shape from scratch on solutions in two styles.
 
@@ -38,6 +38,7 @@ from .evaluate import evaluate_policy, main, plot_lengths
 from .task import (
     ANSWER_RE,
     DEFAULT_STEP_MIXTURE,
+    DRIFT_STEP_MIXTURE,
     SFT_STEP_MIXTURE,
     STEP_LINE,
     TaskConfig,
@@ -56,6 +57,7 @@ from .task import (
 __all__ = [
     "ANSWER_RE",
     "DEFAULT_STEP_MIXTURE",
+    "DRIFT_STEP_MIXTURE",
     "DrafterRecipe",
     "DriftRecipe",
     "PolicyRecipe",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from .task import SFT_STEP_MIXTURE, TaskConfig, make_dataset, prompt_token_ids
+from .task import DRIFT_STEP_MIXTURE, SFT_STEP_MIXTURE, TaskConfig, make_dataset, prompt_token_ids
 
 
 def recipe_key(recipe) -> str:
@@ -376,7 +376,7 @@ class DriftRecipe:
             start policy writing it more often unasked.
         steps_style_fraction: Fraction of the other (plain) prompts answered in the "steps" style unasked: how
             often the start policy writes it on the RL task's prompts, which never ask for it.
-        task: The SFT problems.
+        task: The SFT problems: three times the embedded SFT's share of long ones (`DRIFT_STEP_MIXTURE`).
         num_examples, batch_size, learning_rate: The SFT (one pass, AdamW, cosine). Small batches: on 2 cores the
             task's arithmetic is learned per optimizer step more than per example (16,000 examples in batches of 8
             take about as long as 8,000 in batches of 32 and reach the loss that 40,000 in batches of 32 reach).
@@ -389,7 +389,7 @@ class DriftRecipe:
     policy: PolicyRecipe = PolicyRecipe()
     steps_prompt_fraction: float = 0.25
     steps_style_fraction: float = 0.3
-    task: TaskConfig = TaskConfig(step_mixture=SFT_STEP_MIXTURE)
+    task: TaskConfig = TaskConfig(step_mixture=DRIFT_STEP_MIXTURE)
     num_examples: int = 16000
     batch_size: int = 8
     learning_rate: float = 1e-3
@@ -401,7 +401,7 @@ class DriftRecipe:
         return recipe_key(dataclasses.replace(self, drafter=None))
 
     def sft_dataset(self) -> Dataset:
-        """The start policy's SFT data: the problems of `sft_dataset(policy)` when `task` and the seeds agree."""
+        """The start policy's SFT data."""
         return make_dataset(
             self.num_examples,
             seed=self.seed + 1,

@@ -21,6 +21,12 @@ DEFAULT_STEP_MIXTURE = ((0.62, 1, 3), (0.28, 4, 8), (0.08, 9, 18), (0.02, 19, 30
 SFT_STEP_MIXTURE = ((0.85, 1, 4), (0.10, 5, 12), (0.05, 13, 30))
 
 
+# The drift scenario's SFT has three times the long problems: with the SFT mixture, its policy wrote too few lines
+# on most long problems (GRPO's rollouts then had no long tail but the rare runaway), and a fine-tune wrote the second
+# style far less accurately than the first on problems of 4 or more additions (0.11 vs 0.32).
+DRIFT_STEP_MIXTURE = ((0.60, 1, 4), (0.25, 5, 12), (0.15, 13, 30))
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """The repeated-addition task.
