@@ -25,7 +25,16 @@ def test_demo_runs_and_writes_the_plots(tiny_model_dirs, tmp_path, capsys):
     record = json.loads((plots / "demo.json").read_text())
     assert record["summary"]["step_ratio"] > 0 and record["summary"]["acceptance_start"] > 0
     assert record["tlt"] and record["seeds"] == {"trainer": 0, "prompts": 2024, "eval_prompts": 999}
+    assert record["settings"] == {"scenario": "drift", "learning_rate": 1e-4, "steps": 2}
     assert record["command"] and record["commit"] and record["machine"] and record["seconds"] > 0
     policy = Path(tiny_model_dirs["qwen2"])
     assert record["builds"] == {policy.name: build_checksum(policy)} and record["builds"][policy.name] in out
     assert (tmp_path / "run" / "drafter" / "config.json").exists()  # the exported EAGLE-3 drafter
+
+
+def test_grpo_learning_rate_defaults_per_scenario_and_an_explicit_one_is_kept():
+    def learning_rate(*argv):
+        return demo.grpo_settings(demo.parse_args(list(argv)), tensorboard=False)[0]["learning_rate"]
+
+    assert learning_rate() == 1e-4 and learning_rate("--scenario", "embedded") == 3e-5
+    assert learning_rate("--learning-rate", "0") == 0.0 and learning_rate("--learning-rate", "2e-5") == 2e-5

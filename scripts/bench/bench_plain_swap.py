@@ -281,7 +281,8 @@ def bench_drift(args, result: dict) -> None:
         return probes[-1]
 
     def config_for(out, tlt):
-        # the demo's and bench_e2e's layout: one prompt's group of 8 per micro-batch, 8 per optimizer step
+        # the demo's and bench_e2e's layout: one prompt's group of 8 per micro-batch, 8 per optimizer step (and the
+        # demo's learning rate until 2026-12-06: 1e-4 in its drift scenario since)
         return grpo_config(out, args.drift_steps, 8, 8, 512, args.seed, tlt, micro_batch=8, learning_rate=3e-5,
                            reward_weights=rewards["reward_weights"])  # fmt: skip
 

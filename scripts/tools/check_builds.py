@@ -1,7 +1,7 @@
 """Are the embedded builds deterministic here? Build the policy, its EAGLE-3 head, the drift policy and its head into
 a fresh cache and compare their checksums with another cache's (by default the one `make demo` uses).
 
-    python scripts/tools/check_builds.py --output docs/benchmarks/builds_cpu.json     (about 35 min on 2 cores)
+    python scripts/tools/check_builds.py --output docs/benchmarks/builds_cpu.json     (about 20 min on 2 cores)
 """
 
 import argparse

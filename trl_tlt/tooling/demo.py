@@ -1,8 +1,8 @@
 """The main job (`make demo`): GRPO with TLTGRPOTrainer on the embedded workload, built offline, next to TRL's own.
 
 Builds (or reuses from the cache) the drift scenario of `trl_tlt.tooling.workload` (`build_drift_policy`: a policy
-trained by SFT on solutions in two styles, the second written in about one sample in three, and its warm-start EAGLE-3
-drafter); GRPO under `style_reward` (1 for a correct answer, times 1.5 in the "Step 1: 7+13=20" style) moves the policy
+trained by SFT on solutions in two styles, writing the second in about a quarter of its samples, and its warm-start
+EAGLE-3 drafter); GRPO under `style_reward` (1 for a correct answer, times 1.5 in the "Step 1: 7+13=20" style) moves the policy
 to that style while the reward rises, so a drafter frozen at the start goes stale. Then:
 
 1. runs GRPO with `TLTGRPOTrainer` (EAGLE-3 drafter trained online between rollouts with `TLTConfig`'s defaults;
@@ -122,7 +122,8 @@ def main(argv=None) -> dict:
     summary = summarize(history)
     os.makedirs(plots_dir, exist_ok=True)
     seeds = {"trainer": args.seed, "prompts": PROMPT_SEED, "eval_prompts": EVAL_SEED}
-    record = stamp({"summary": summary, "seeds": seeds, "builds": builds, **history})
+    settings = {"scenario": args.scenario, "learning_rate": common["learning_rate"], "steps": args.steps}
+    record = stamp({"summary": summary, "seeds": seeds, "settings": settings, "builds": builds, **history})
     with open(os.path.join(plots_dir, "demo.json"), "w") as f:
         json.dump(record, f, indent=1)
     written = write_plots(history, plots_dir)
@@ -153,7 +154,7 @@ def grpo_settings(args, tensorboard: bool) -> tuple[dict, object]:
         num_generations=8,
         max_completion_length=args.max_completion_length,
         max_steps=args.steps,
-        learning_rate=args.learning_rate or DEFAULT_LEARNING_RATE[args.scenario],
+        learning_rate=DEFAULT_LEARNING_RATE[args.scenario] if args.learning_rate is None else args.learning_rate,
         logging_steps=1,
         save_strategy="no",
         seed=args.seed,

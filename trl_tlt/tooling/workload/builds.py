@@ -232,10 +232,11 @@ def _build_sft_model(
     return path
 
 
-def _build_from_policy_recipe(path: Path, tokenizer, recipe: PolicyRecipe, verbose: bool) -> Path:
-    """A model of `recipe`, trained on the recipe's SFT data with its schedule."""
+def _build_from_policy_recipe(path: Path, tokenizer, recipe: PolicyRecipe, num_hidden_layers: int, verbose: bool):
+    """A model of `recipe`'s width with `num_hidden_layers`, trained on the recipe's SFT data with its schedule."""
+    shape = dataclasses.replace(recipe, num_hidden_layers=num_hidden_layers)
     schedule = (recipe.sft_batch_size, recipe.sft_learning_rate)
-    return _build_sft_model(path, tokenizer, recipe, sft_dataset(recipe), schedule, recipe.seed, recipe, verbose)
+    return _build_sft_model(path, tokenizer, shape, sft_dataset(recipe), schedule, recipe.seed, recipe, verbose)
 
 
 def build_policy(
@@ -246,7 +247,7 @@ def build_policy(
     path = Path(cache_dir or default_cache_dir()) / f"policy-{recipe.key()}"
     if (path / "config.json").exists():
         return path
-    return _build_from_policy_recipe(path, build_policy_tokenizer(recipe), recipe, verbose)
+    return _build_from_policy_recipe(path, build_policy_tokenizer(recipe), recipe, recipe.num_hidden_layers, verbose)
 
 
 def build_draft_lm(
@@ -263,8 +264,8 @@ def build_draft_lm(
     path = policy_path.parent / f"draft-lm-{recipe.key()}-L{num_hidden_layers}"
     if (path / "config.json").exists():
         return path
-    shape = dataclasses.replace(recipe, num_hidden_layers=num_hidden_layers)
-    return _build_from_policy_recipe(path, AutoTokenizer.from_pretrained(policy_path), shape, verbose)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    return _build_from_policy_recipe(path, tokenizer, recipe, num_hidden_layers, verbose)
 
 
 @dataclasses.dataclass(frozen=True)
