@@ -379,8 +379,8 @@ class DriftRecipe:
             often the start policy writes it on the RL task's prompts, which never ask for it.
         task: The SFT problems: three times the embedded SFT's share of long ones (`DRIFT_STEP_MIXTURE`).
         num_examples, batch_size, learning_rate: The SFT (one pass, AdamW, cosine). Small batches: on 2 cores the
-            task's arithmetic is learned per optimizer step more than per example (16,000 examples in batches of 8
-            take about as long as 8,000 in batches of 32 and reach the loss that 40,000 in batches of 32 reach).
+            task's arithmetic is learned per optimizer step more than per example (16,000 examples take about as long
+            in batches of 8 as in batches of 32, and in batches of 8 reach a lower loss than 40,000 in batches of 32).
         drafter: The warm start of its EAGLE-3 drafter (the one kept frozen for comparison): offline, on the
             embedded policy's SFT data (all in the compact style) with this policy's features, as EAGLE heads are
             trained on a fixed chat corpus.
