@@ -66,8 +66,9 @@ class TLTConfig(GRPOConfig):
             its latest earlier rollout (the history, `history_max_tokens`); a lookup may draft past
             `num_speculative_tokens` where it keeps matching. One verification, lossless (docs/drafters.md).
             With `drafter_type="ngram"`: the sibling and history lookups alone. trl-tlt's engine only. Off by
-            default: on 2 CPU cores it measured at parity with the drafter alone, not faster
-            (docs/benchmarks/hybrid_cpu.json).
+            default: on 2 CPU cores it measured at parity with the drafter alone, not faster, on the embedded workload
+            (docs/benchmarks/hybrid_cpu.json) and on a real policy in RL's regime
+            (docs/benchmarks/head_levers_cpu.json).
         history_max_tokens (`int`, *optional*, defaults to `1048576`):
             With `hybrid_drafting`: memory budget, in tokens, of the per-rank store of each prompt's completions from
             its latest rollout (a prompt's new rollout replaces its old one; the prompts seen longest ago go first

@@ -60,6 +60,9 @@ SCHEDULES = {  # name: (learning-rate schedule, tokens per step); `base` is what
 }
 
 
+DRAFTS = {1.0: "q_t10", 0.7: "q_t07", 0.5: "q_t05", 0.0: "greedy"}  # draft temperature over T: its key's name
+
+
 class Setting:
     """The tuned policy, `rollouts` rollouts of 4 prompts x 4 at T = 1 with their features, and a held-out set."""
 
@@ -158,7 +161,7 @@ def part_temperature(args) -> dict:
 
     results = {}
     try:
-        for scale in (1.0, 0.7, 0.5, 0.0):
+        for scale in DRAFTS:
             eagle3_drafter.sample_draft = drafting(scale)  # what the head's `propose` samples its drafts with
             lengths = [
                 evaluate_acceptance(setting.policy, drafter, held_out, params, k=6, seed=seed)[
@@ -166,13 +169,13 @@ def part_temperature(args) -> dict:
                 ]
                 for seed in (0, 1)
             ]
-            results[f"q_temperature_{scale}_k6"] = statistics.fmean(lengths)
+            results[DRAFTS[scale]] = statistics.fmean(lengths)
             print(scale, lengths, flush=True)
     finally:
         eagle3_drafter.sample_draft = sample_draft
     return {
         "temperature": {"head_steps": spot.total_steps, "head_curve": curve, "eval_prompts": args.eval_prompts},
-        **{f"acceptance_{key}": value for key, value in results.items()},
+        **{f"acceptance_{name}_k6": value for name, value in results.items()},
     }
 
 
