@@ -17,12 +17,11 @@ into one JSON (`--output`, merged with what is there), on the same machine:
 import argparse
 import copy
 import dataclasses
-import json
 import os
 import statistics
 import time
 
-from trl_tlt.tooling.benchmarks import write_json  # first: the Hugging Face libraries offline
+from trl_tlt.tooling.benchmarks import run_parts  # first: the Hugging Face libraries offline
 
 
 # isort: split
@@ -314,18 +313,7 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="JSON to write (its keys from other parts are kept).")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    result = {}
-    if args.output and os.path.exists(args.output):
-        with open(args.output) as f:
-            result = {k: v for k, v in json.load(f).items() if k not in ("command", "commit", "machine", "seconds")}
-    result["benchmark"] = "real_regime"
-    for part in args.parts:
-        start = time.perf_counter()
-        values = PARTS[part](args)
-        values[f"{part}_part_seconds"] = time.perf_counter() - start
-        print({k: v for k, v in values.items() if not isinstance(v, dict)})
-        result.update(values)
-    write_json(result, args.output)
+    run_parts("real_regime", PARTS, args.parts, args, args.output)
 
 
 if __name__ == "__main__":

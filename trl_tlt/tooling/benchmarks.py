@@ -85,6 +85,23 @@ def write_json(result: dict, path: str | None) -> None:
         print(f"wrote {path}")
 
 
+def run_parts(benchmark: str, parts: dict[str, Callable], names: list[str], args, path: str | None) -> None:
+    """Run the parts `names` of a script whose parts each return their keys (`parts[name](args)`), time each
+    (`{name}_part_seconds`), and write them with `write_json` into `path`, keeping the keys of parts run before."""
+    result = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            result = {k: v for k, v in json.load(f).items() if k not in ("command", "commit", "machine", "seconds")}
+    result["benchmark"] = benchmark
+    for name in names:
+        start = time.perf_counter()
+        values = parts[name](args)
+        values[f"{name}_part_seconds"] = time.perf_counter() - start
+        print({k: v for k, v in values.items() if not isinstance(v, dict)})
+        result.update(values)
+    write_json(result, path)
+
+
 def bootstrap_interval(
     statistic: Callable[[list[int]], float], n: int, draws: int = 2000, seed: int = 0
 ) -> tuple[float, float]:
