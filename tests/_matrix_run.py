@@ -6,6 +6,8 @@ script would be, with the case's options; every rank writes what the test compar
 SPEC.json: {"trainer": "grpo" | "tlt", "model_dir", "output_dir", "tag", "config": {extra config fields},
 "sharding": null | "fsdp2" | "zero2" | "zero3" (the policy sharded as accelerate would shard it on GPUs: `sharded_at_the_seam`),
 "max_completion_length_by_rank": [n0, n1] or null (the ranks' rollouts end at different lengths),
+"completion_lengths_by_rank": [[lengths of rank 0's rows], [rank 1's]] or null (both trainers' generation replaced
+by fixed completions of those lengths, EOS-terminated: long-tailed training batches without a trained policy),
 "tools": bool, "slow_rank": rank or null (that rank's generation turns take `slow_seconds` longer: the ranks' rollouts
 end at different times), "kill_after": global step or null (every rank exits abruptly once that step's checkpoint is
 written, as a killed job), "resume": checkpoint folder or null, "prompts": [...]}.
@@ -142,6 +144,15 @@ def main(spec_path: str) -> None:
         processing_class=tokenizer,
         **extra,
     )
+    if spec.get("completion_lengths_by_rank"):
+        lengths = spec["completion_lengths_by_rank"][rank]
+
+        def fixed_generate(prompt_ids, *args, **kwargs):
+            eos = trainer.eos_token_ids[0]
+            return [[(p[-1] + 7 * j + i) % 200 + 5 for j in range(lengths[i % len(lengths)] - 1)] + [eos]
+                    for i, p in enumerate(prompt_ids)], None  # fmt: skip
+
+        trainer._generate_single_turn = fixed_generate
     if spec.get("slow_rank") == rank:  # this rank's generation turns end later than the other's
         generate = trainer._generate_single_turn
 

@@ -141,6 +141,23 @@ def test_fsdp2_trainer_runs_in_lockstep_with_spot_training(policy_dir, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_training_phase_cuts_each_rank_s_rows_into_as_many_forwards(policy_dir, tmp_path, sharding):
+    """The training phase under FSDP2 and ZeRO-3 (each forward gathers parameters): rank 0's rows all 12 tokens long (one forward
+    would do), rank 1's long-tailed (its rows cut into length-sorted sub-chunks): the ranks agree on the count of
+    forwards per call, the run finishes, and the policy is GRPOTrainer's. Mutation caught (by review, scripted): each
+    rank cutting on its own (no agreement) leaves rank 0 waiting in a parameter all-gather rank 1 never pairs (the
+    run hangs until pytest-timeout ends it)."""
+    # SGD: Adam's first step divides each gradient by its own size, which turns the round-off of a near-zero gradient
+    # (another layout, other sums) into a full step; SGD keeps the comparison on the training phase's gradients.
+    config = {"max_steps": 3, "max_completion_length": 12, "optim": "sgd"}
+    common = {"model_dir": policy_dir, "sharding": sharding, "completion_lengths_by_rank": [[12], [2, 3, 4, 12]]}
+    grpo = run_matrix(tmp_path, "grpo", trainer="grpo", config=config, **common)
+    tlt = run_matrix(tmp_path, "tlt", config={**config, "micro_batching_split_tokens": 0}, **common)
+    assert_same_training(tlt, grpo, tmp_path, "tlt", "grpo")
+
+
+@pytest.mark.slow
 @NEEDS_DEEPSPEED
 def test_zero3_trainer_trains_the_drafter_without_gathering_the_policy_again(policy_dir, tmp_path):
     """ZeRO-3 under DeepSpeed's CPU accelerator with `ds3_gather_for_generation` (TRL's default: the policy gathered

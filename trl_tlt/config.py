@@ -147,6 +147,14 @@ class TLTConfig(GRPOConfig):
             optimizer step into micro-batches by length, where that leaves the loss exactly unchanged (loss types
             other than `bnpo`, no `top_entropy_quantile`, entropy bonus or MoE aux loss; else trimmed only).
             `"padded"`: TRL's layout, unchanged. Both are exact: the same loss and gradients up to float round-off.
+            Within a forward (one micro-batch per optimizer step included) `"trimmed"` and `"length_grouped"` also cut
+            the rows, sorted by length, into sub-chunks that each run at their own longest row, one autograd graph over
+            them, wherever a cut saves more than `micro_batching_split_tokens` padded positions.
+        micro_batching_split_tokens (`int` or `None`, *optional*, defaults to `None`):
+            What one more forward costs, in padded token positions (rows x columns): a forward over completions is cut
+            into length-sorted sub-chunks only where a cut saves more positions than this. `None`: 64 on a CPU
+            (measured: docs/trainer.md#training-phase-micro_batching), 4096 on an accelerator (a GPU's forward
+            below a few thousand tokens is not compute-bound; not measured yet). `0`: cut wherever it saves anything.
         > Parameters that control vLLM colocate
 
         vllm_speculative_max_batch_size (`int`, *optional*, defaults to `32`):
@@ -197,6 +205,9 @@ class TLTConfig(GRPOConfig):
     micro_batching: str = field(
         default="length_grouped", metadata={"help": _help(__doc__, "micro_batching"), "choices": list(MICRO_BATCHING)}
     )
+    micro_batching_split_tokens: int | None = field(
+        default=None, metadata={"help": _help(__doc__, "micro_batching_split_tokens")}
+    )
     vllm_speculative_max_batch_size: int = field(
         default=32, metadata={"help": _help(__doc__, "vllm_speculative_max_batch_size")}
     )
@@ -226,6 +237,10 @@ class TLTConfig(GRPOConfig):
             raise ValueError(f"`spot_precision` must be one of {SPOT_PRECISIONS}, got {self.spot_precision!r}.")
         if self.micro_batching not in MICRO_BATCHING:
             raise ValueError(f"`micro_batching` must be one of {MICRO_BATCHING}, got {self.micro_batching!r}.")
+        if self.micro_batching_split_tokens is not None and self.micro_batching_split_tokens < 0:
+            raise ValueError(
+                f"`micro_batching_split_tokens` must be >= 0 or None, got {self.micro_batching_split_tokens}."
+            )
         if not 0 <= self.selector_epsilon <= 1:
             raise ValueError(f"`selector_epsilon` must be in [0, 1], got {self.selector_epsilon}.")
         if self.spot_training and self.drafter_type not in ("eagle3", "model"):

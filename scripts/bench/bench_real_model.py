@@ -236,10 +236,12 @@ def part_rss(args) -> dict:
 
 
 def run_trainer(
-    kind: str, args, tlt_args: dict | None, path: str | None = None, num_prompts: int = 4, completion: int = COMPLETION
-) -> dict:
+    kind: str, args, tlt_args: dict | None, path: str | None = None, num_prompts: int = 4, completion: int = COMPLETION,
+    micro_batch: int | None = None,
+) -> dict:  # fmt: skip
     """GRPOTrainer (`kind="grpo"`) or TLTGRPOTrainer on `path` (default: the raw real model), `args.steps` steps of
-    `num_prompts` x 4 at T = 1: step and rollout seconds, rewards, the `tlt/` metrics, the head's held-out acceptance."""
+    `num_prompts` x 4 at T = 1 in micro-batches of `micro_batch` rows (default 4): step and rollout seconds, rewards,
+    the `tlt/` metrics, the head's held-out acceptance."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
@@ -252,6 +254,7 @@ def run_trainer(
         config = trainer_config(
             "grpo" if kind == "grpo" else "tlt", output_dir, num_prompts=num_prompts, num_generations=4,
             max_completion_length=completion, steps=args.steps, seed=0, tlt_args=tlt_args, temperature=1.0,
+            micro_batch=micro_batch,
         )  # fmt: skip
         cls = GRPOTrainer if kind == "grpo" else TLTGRPOTrainer
         start = time.perf_counter()
@@ -278,7 +281,7 @@ def run_trainer(
     for key in ("tlt/mean_acceptance_length", "tlt/spot_seconds", "tlt/drafter_steps", "tlt/spot_budget_share",
                 "tlt/drafter_eval_acceptance_length", "tlt/rollout_seconds", "tlt/draft_vocab_coverage",
                 "tlt/drafter_rerun_samples", "tlt/drafter_expected_speedup", "tlt/rollout_tokens_per_second",
-                "completions/mean_length", *selector):  # fmt: skip
+                "completions/mean_length", "completions/max_length", *selector):  # fmt: skip
         if any(key in h for h in logs):
             result[key.removeprefix("tlt/").replace("/", "_")] = [h.get(key) for h in logs]
     if kind != "grpo":  # the head at the end, on held-out prompts, the engine speculating k = 6 at every step

@@ -34,8 +34,13 @@ from .._swap import swapped
 from ..config import TLTConfig, as_tlt_config
 from ..engine.features import SequenceFeatures
 from ..engine.kv_cache import ragged_cache_mismatch
-from ..engine.sharding import policy_is_sharded
-from ..training.micro_batching import REGROUPABLE_LOSS_TYPES, group_by_length, trimmed_logps_and_entropies
+from ..engine.sharding import needs_lockstep, policy_is_sharded
+from ..training.micro_batching import (
+    REGROUPABLE_LOSS_TYPES,
+    group_by_length,
+    split_tokens_for,
+    trimmed_logps_and_entropies,
+)
 from ..vllm.check import SampleMoments, policy_sample_moments, vllm_sampling_params
 from . import export
 from . import generation_settings as settings
@@ -375,8 +380,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
-        """Every forward over completions (the loss, old and reference log-probs), each chunk of rows run at its own
-        longest completion instead of the generation batch's (`micro_batching`; trl_tlt/training/micro_batching.py)."""
+        """Every forward over completions (the loss, old and reference log-probs), its rows sorted by length and cut
+        into sub-chunks that each run at their own longest completion instead of the generation batch's
+        (`micro_batching`; trl_tlt/training/micro_batching.py)."""
 
         def forward(ids, mask, keep, chunk_size=None):
             return super(TLTGRPOTrainer, self)._get_per_token_logps_and_entropies(
@@ -386,9 +392,18 @@ class TLTGRPOTrainer(GRPOTrainer):
         if self.args.micro_batching == "padded" or any(value is not None for value in multimodal.values()):
             return forward(input_ids, attention_mask, logits_to_keep, batch_size)
         # An aux loss is averaged per chunk: keep TRL's chunks (trim only); otherwise rows are independent.
+        split = split_tokens_for(input_ids.device, self.args.micro_batching_split_tokens)
+        agree = self._agreed_chunk_count if needs_lockstep(self.model_wrapped) else None
         return trimmed_logps_and_entropies(
-            forward, input_ids, attention_mask, logits_to_keep, batch_size, sort_rows=not compute_aux_loss
+            forward, input_ids, attention_mask, logits_to_keep, batch_size, not compute_aux_loss, split, agree
         )
+
+    def _agreed_chunk_count(self, chunks: int, rows: int) -> int:
+        """The forwards every rank of a sharded policy runs in one call (each forward is a collective): the most any
+        rank wants, at most the fewest rows any rank has."""
+        counts = torch.tensor([chunks, -rows], device=self.accelerator.device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        return min(int(counts[0]), -int(counts[1]))
 
     def _regroups_micro_batches(self) -> bool:
         """Whether sorting an optimizer step's rows into micro-batches by length leaves the loss exactly unchanged."""

@@ -32,12 +32,78 @@ import torch.nn.functional as F
 # regrouping changes it, so bnpo gets trim-only.
 REGROUPABLE_LOSS_TYPES = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo")
 
+# What one more forward over completions costs, in padded positions (`TLTConfig.micro_batching_split_tokens`'s default):
+# on a CPU, measured (docs/trainer.md); on an accelerator, a guess: below a few thousand tokens a GPU's forward is
+# launch- and memory-bound, and a cut that saves fewer positions than this would only add launches.
+SPLIT_TOKENS = {"cpu": 64, "accelerator": 4096}
+
+
+def split_tokens_for(device: torch.device, configured: int | None) -> int:
+    """`micro_batching_split_tokens`, resolved for the policy's device."""
+    if configured is not None:
+        return configured
+    return SPLIT_TOKENS["cpu" if device.type == "cpu" else "accelerator"]
+
 
 def completion_lengths(attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
     """(B,) one past the last attended completion column of each row (0 for a row whose completion is masked)."""
     mask = attention_mask[:, -logits_to_keep:].bool()  # (B, C)
     columns = torch.arange(1, logits_to_keep + 1, device=mask.device)
     return (mask * columns).amax(dim=1)
+
+
+def length_sorted_chunks(
+    lengths: list[int], prompt_width: int, max_rows: int, split_tokens: int
+) -> list[tuple[int, int]]:
+    """Rows sorted by completion length (`lengths`, ascending) cut into contiguous chunks `[start, end)` of at most
+    `max_rows` rows, each to run at its own longest row: the cut that minimises the padded positions the forwards
+    cover, `sum(rows x (prompt_width + longest))`, plus `split_tokens` per forward (what a forward costs beyond its
+    tokens, in tokens: a split is made only where it saves more than that). Dynamic programming over the cut points,
+    O(rows x max_rows)."""
+    rows = len(lengths)
+    widths = torch.tensor(lengths, dtype=torch.float64) + prompt_width
+    best = torch.full((rows + 1,), float("inf"), dtype=torch.float64)
+    best[0] = 0.0
+    cut = [0] * (rows + 1)
+    for end in range(1, rows + 1):
+        starts = torch.arange(max(0, end - max_rows), end)
+        # a chunk [start, end) costs its rows times its longest row's width (the last: rows are sorted)
+        costs = best[starts] + (end - starts) * widths[end - 1] + split_tokens
+        i = int(torch.argmin(costs))
+        best[end], cut[end] = costs[i], int(starts[i])
+    bounds, end = [], rows
+    while end > 0:
+        bounds.append((cut[end], end))
+        end = cut[end]
+    return bounds[::-1]
+
+
+def with_count(bounds: list[tuple[int, int]], lengths: list[int], count: int) -> list[tuple[int, int]]:
+    """`bounds` made exactly `count` chunks (at most one per row): the chunk whose best split saves the most padded
+    completion positions split while there are fewer, the adjacent pair whose merge adds the fewest merged while there
+    are more. What every rank of a sharded policy does to run the same number of forwards."""
+    bounds = list(bounds)
+
+    def tokens(start, end):  # completion positions a chunk covers (the prompt's are the same either way)
+        return (end - start) * lengths[end - 1]
+
+    while len(bounds) < count:
+        options = [
+            (tokens(a, b) - tokens(a, m) - tokens(m, b), i, m)
+            for i, (a, b) in enumerate(bounds)
+            for m in range(a + 1, b)
+        ]
+        _, i, m = max(options)
+        a, b = bounds[i]
+        bounds[i : i + 1] = [(a, m), (m, b)]
+    while len(bounds) > count:
+        options = [
+            (tokens(bounds[i][0], bounds[i + 1][1]) - tokens(*bounds[i]) - tokens(*bounds[i + 1]), i)
+            for i in range(len(bounds) - 1)
+        ]
+        _, i = min(options)
+        bounds[i : i + 2] = [(bounds[i][0], bounds[i + 1][1])]
+    return bounds
 
 
 def trimmed_logps_and_entropies(
@@ -47,17 +113,27 @@ def trimmed_logps_and_entropies(
     logits_to_keep: int,
     batch_size: int | None,
     sort_rows: bool,
+    split_tokens: int = 0,
+    agree_count: Callable[[int, int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """GRPOTrainer's per-token log-probs / entropies / aux loss, each chunk of rows run at its own longest completion.
+
+    With `sort_rows`, the rows are sorted by completion length and cut into chunks by `length_sorted_chunks` (at most
+    `batch_size` rows each, a split wherever it saves more than `split_tokens` padded positions): one forward per
+    chunk, in one autograd graph when gradients are on. The outputs are per position, put back in the input's row
+    order: every loss and its normalisation read the tensors they always read, only the layout changes.
 
     Args:
         forward: `(input_ids, attention_mask, logits_to_keep) -> (logps, entropies | None, aux_loss | None)` for one
             chunk (GRPOTrainer's own method, called with `batch_size=None`).
         input_ids, attention_mask: (B, P + C): left-padded prompts, right-padded completions.
         logits_to_keep: C, the completion width.
-        batch_size: Rows per forward (None = all rows in one forward, as in the loss).
-        sort_rows: Sort rows by completion length before chunking (exact whenever rows do not interact: the log-prob
-            passes; not with an aux loss, which is averaged per chunk).
+        batch_size: Rows per forward at most (None = all rows, as in the loss).
+        sort_rows: Sort rows by completion length and cut them as above (exact whenever rows do not interact: not with
+            an MoE aux loss, averaged per chunk: TRL's chunks are kept then, each trimmed).
+        split_tokens: What a forward costs beyond its tokens, in padded positions.
+        agree_count: `(chunks, rows) -> chunks` every process runs (a sharded policy: each forward is a collective),
+            None for one process or a policy whole on each.
 
     Returns:
         logps (B, C), entropies (B, C) or None, and the aux loss averaged over chunks (or None), in the input's row
@@ -66,11 +142,19 @@ def trimmed_logps_and_entropies(
     rows = input_ids.size(0)
     batch_size = batch_size or rows
     lengths = completion_lengths(attention_mask, logits_to_keep)
-    order = torch.argsort(lengths, stable=True) if sort_rows else torch.arange(rows, device=lengths.device)
     prompt_width = input_ids.size(1) - logits_to_keep
+    if sort_rows:
+        order = torch.argsort(lengths, stable=True)
+        sorted_lengths = [max(n, 1) for n in lengths[order].tolist()]
+        bounds = length_sorted_chunks(sorted_lengths, prompt_width, batch_size, split_tokens)
+        if agree_count is not None:
+            bounds = with_count(bounds, sorted_lengths, agree_count(len(bounds), rows))
+    else:  # TRL's chunks, in TRL's order
+        order = torch.arange(rows, device=lengths.device)
+        bounds = [(start, min(start + batch_size, rows)) for start in range(0, rows, batch_size)]
     logps, entropies, aux_losses = [], [], []
-    for start in range(0, rows, batch_size):
-        chunk = order[start : start + batch_size]
+    for start, end in bounds:
+        chunk = order[start:end]
         keep = max(int(lengths[chunk].max()), 1)
         width = prompt_width + keep
         chunk_logps, chunk_entropies, aux_loss = forward(input_ids[chunk, :width], attention_mask[chunk, :width], keep)
