@@ -34,9 +34,9 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
-def make_trainer(model_dir, output_dir, max_steps, save_steps=0):
+def make_trainer(model_dir, output_dir, max_steps, save_steps=0, **overrides):
     torch.set_num_threads(1)
-    args = TLTConfig(
+    settings = dict(
         output_dir=output_dir,
         use_cpu=True,
         bf16=False,
@@ -56,6 +56,7 @@ def make_trainer(model_dir, output_dir, max_steps, save_steps=0):
         spot_cold_start_steps=0,  # the warm regime's learning rate (the cold start: test_spot.py)
         spot_steps_per_rollout=4,  # a fixed count: the tests count steps (the time budget: test_spot.py)
     )
+    args = TLTConfig(**{**settings, **overrides})
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     return TLTGRPOTrainer(
         model=model, reward_funcs=reward_len, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 50})

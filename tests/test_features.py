@@ -227,23 +227,31 @@ def test_a_spot_step_on_recorded_features_never_runs_the_policy_and_learns_the_s
     assert losses["rerun"] == pytest.approx(losses["recorded"], rel=1e-4)
 
 
-def test_features_from_before_the_policys_last_update_are_dropped():
-    """A rollout at a newer policy version drops the earlier rollouts' samples with features (never trained on stale);
-    samples without features (rerun at training time) stay; a saved buffer restores versions, not features.
-    Mutation: keep every version and the first rollout's samples stay."""
-    buffer = DataBuffer(window=3)
+def test_features_stay_for_the_window_s_updates_and_no_longer():
+    """TLT's one-step offset (`window=2`): a rollout at a newer policy version keeps the previous rollout's samples,
+    their features one update old; a version two updates newer drops them (never trained on older features); samples
+    without features (rerun at training time) stay; a saved buffer restores versions, not features. Mutations: drop
+    every older version (the previous rollout never reaches training, #61's first defect) or keep every version."""
+    buffer = DataBuffer(window=2)
     states = [torch.zeros(9, 2, 4) for _ in range(4)]
+
+    def tokens():
+        return {s.token_ids[2] for s in [*buffer.samples, *buffer.held_out]}
+
     buffer.add([[1, 2]] * 4, [[3] * 8] * 4, states, version=0)
-    buffer.add([[1, 2]] * 2, [[4] * 8] * 2)  # no features (e.g. vLLM's rollout)
-    buffer.add([[1, 2]] * 4, [[5] * 8] * 4, states, version=0)  # same version: kept
-    assert len(buffer.samples) + len(buffer.held_out) == 10
     buffer.add([[1, 2]] * 4, [[6] * 8] * 4, states, version=1)
-    assert {s.token_ids[2] for s in buffer.samples} == {4, 6}
-    restored = DataBuffer(window=3)
+    assert tokens() == {3, 6}  # the previous rollout, one update old, stays
+    buffer.drop_stale(2)
+    assert tokens() == {6}
+    buffer.add([[1, 2]] * 2, [[4] * 8] * 2)  # no features (e.g. vLLM's rollout)
+    buffer.drop_stale(5)
+    assert tokens() == {4}
+    restored = DataBuffer(window=2)
+    buffer.add([[1, 2]] * 2, [[5] * 8] * 2, states[:2], version=5)
     restored.load_state_dict(buffer.state_dict())
     assert [s.version for s in restored.samples] == [s.version for s in buffer.samples]
     assert all(s.features is None for s in restored.samples)
-    restored.add([[1, 2]], [[7] * 8], [torch.zeros(9, 2, 4)], version=2)
+    restored.add([[1, 2]], [[7] * 8], [torch.zeros(9, 2, 4)], version=7)
     assert {s.token_ids[2] for s in restored.samples} <= {4, 7}
 
 
@@ -257,13 +265,15 @@ def test_a_phase_the_budget_skips_buffers_nothing_and_stale_features_go_without_
     prompts, completions, features = recorded_rollout(policy, head)
     spot.observe_rollout(prompts, completions, features, version=0)
     assert spot.buffer.samples
+    buffered = len(spot.buffer.samples) + len(spot.buffer.held_out)
     spot.budget.skip = 1
     assert not spot.wants_features
-    spot.observe_rollout(prompts, completions, None, version=1)
+    spot.observe_rollout(prompts, completions, None, version=2)  # two updates on: version 0's features are stale
     assert not spot.buffer.samples and not spot.buffer.held_out
     spot.budget.skip = 0
     spot.observe_rollout(prompts, completions, features, version=2)
-    spot.buffer.drop_stale(3)  # the stack's call for a rollout without turns of ours
+    assert len(spot.buffer.samples) + len(spot.buffer.held_out) == buffered
+    spot.buffer.drop_stale(4)  # the stack's call for a rollout without turns of ours
     assert not spot.buffer.samples and not spot.buffer.held_out
 
 

@@ -43,6 +43,43 @@ def test_single_process_trains_the_drafter_between_rollouts(tiny_model_dirs, tmp
     assert buffered and all(s.features is not None and s.version == 2 for s in buffered)  # the latest rollout's
 
 
+def test_the_training_step_s_forward_feeds_the_drafter(tiny_model_dirs, tmp_path):
+    """`spot_feature_source="training_step"`: the engine records nothing; hooks on the loss forward record every
+    completion's states, which equal a forward of the policy over the sequence (learning rate 0: the policy the step
+    saw); the drafter trains on them beside each step, never running the policy; the previous rollout's sequences
+    stay in the buffer (one update old). Mutations: states kept attached to the loss's graph (`record` without
+    `detach`: the buffer holds tensors that require grad), or the phase skipped when nothing was recorded (the budget
+    never counts its skips)."""
+    trainer = make_trainer(
+        tiny_model_dirs["qwen2"], str(tmp_path), max_steps=3, spot_feature_source="training_step", learning_rate=0.0
+    )
+    recorded_by_engine = []
+    generate = trainer.tlt.generate
+
+    def recording_generate(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        recorded_by_engine.append(out.features)
+        return out
+
+    trainer.tlt.generate = recording_generate
+    trainer.train()
+    assert recorded_by_engine and all(features is None for features in recorded_by_engine)
+    logs = [h for h in trainer.state.log_history if "tlt/drafter_steps" in h]
+    assert [h["tlt/drafter_steps"] for h in logs] == [4, 4, 4] and trainer.tlt_spot.rerun_samples == 0
+    buffered = trainer.tlt_spot.buffer.samples
+    assert {s.version for s in buffered} == {1, 2}  # the window's two rollouts
+    assert all(s.features is not None and not s.features.requires_grad for s in buffered)
+    from trl_tlt.training.distillation import policy_features
+
+    policy = trainer.accelerator.unwrap_model(trainer.model).eval()
+    layers = trainer.tlt_spot.feature_layers(policy)
+    for sample in buffered[:4]:
+        expected = policy_features(policy, [sample], layers[:-1])[0]
+        states = sample.features  # (n - 1, m, H): the auxiliary layers, then the final norm's output
+        torch.testing.assert_close(states[:, -1], expected.last[:-1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(states[:, :-1].flatten(1), expected.aux[:-1], rtol=1e-4, atol=1e-5)
+
+
 def test_killed_run_resumes_with_policy_and_drafter_intact(tiny_model_dirs, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(

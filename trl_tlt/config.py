@@ -14,6 +14,7 @@ VLLM_DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 SELECTORS = ("bandit", "fixed")
 MICRO_BATCHING = ("length_grouped", "trimmed", "padded")
 SPOT_PRECISIONS = ("auto", "bf16", "fp32")
+FEATURE_SOURCES = ("auto", "rollout", "training_step")
 
 
 def field_docs(doc: str) -> dict[str, tuple[str, str]]:
@@ -103,6 +104,15 @@ class TLTConfig(GRPOConfig):
             rollouts within `spot_time_budget` (their time is reported as `tlt/spot_seconds`). `None`: on whenever the
             drafter has weights and the trainer holds it (trl-tlt's engine or vLLM colocate), off otherwise. `True`
             with `drafter_type="ngram"` / `"none"` or vLLM server mode raises.
+        spot_feature_source (`str`, *optional*, defaults to `"auto"`):
+            Where spot training's data, the policy's hidden states at the layers the drafter reads, comes from.
+            `"rollout"`: the forwards of trl-tlt's engine record them as it generates; the drafter trains at the
+            rollout's end (each rank in its idle time with several processes). `"training_step"`: hooks on the
+            policy's forward in GRPO's loss computation record them for every completion of the step, in every launch
+            mode (vLLM's rollouts and sharded policies included); the drafter trains right after the step's last loss
+            forward, before the optimizer step, within `spot_time_budget`, and the ranks' drafters are merged.
+            `"auto"`: `"training_step"` with vLLM and with a policy sharded across processes (FSDP, ZeRO-3: their
+            lockstep leaves no idle time), `"rollout"` elsewhere (docs/spot.md#where-the-drafters-data-comes-from).
         spot_time_budget (`float`, *optional*, defaults to `0.5`):
             With one process: drafter training between two rollouts takes at most this many seconds per second of the
             rollout. How much of it a phase spends follows the drafter's measured acceptance (docs/spot.md): all of it
@@ -187,6 +197,9 @@ class TLTConfig(GRPOConfig):
     speculative_trees: bool = field(default=False, metadata={"help": _help(__doc__, "speculative_trees")})
     selector_deterministic: bool = field(default=False, metadata={"help": _help(__doc__, "selector_deterministic")})
     spot_training: bool | None = field(default=None, metadata={"help": _help(__doc__, "spot_training")})
+    spot_feature_source: str = field(
+        default="auto", metadata={"help": _help(__doc__, "spot_feature_source"), "choices": list(FEATURE_SOURCES)}
+    )
     spot_time_budget: float = field(default=0.5, metadata={"help": _help(__doc__, "spot_time_budget")})
     spot_buffer_steps: int = field(default=2, metadata={"help": _help(__doc__, "spot_buffer_steps")})
     spot_buffer_max_tokens: int = field(default=262_144, metadata={"help": _help(__doc__, "spot_buffer_max_tokens")})
@@ -235,6 +248,10 @@ class TLTConfig(GRPOConfig):
             raise ValueError(f"`num_speculative_tokens` must be >= 1, got {self.num_speculative_tokens}.")
         if self.spot_precision not in SPOT_PRECISIONS:
             raise ValueError(f"`spot_precision` must be one of {SPOT_PRECISIONS}, got {self.spot_precision!r}.")
+        if self.spot_feature_source not in FEATURE_SOURCES:
+            raise ValueError(
+                f"`spot_feature_source` must be one of {FEATURE_SOURCES}, got {self.spot_feature_source!r}."
+            )
         if self.micro_batching not in MICRO_BATCHING:
             raise ValueError(f"`micro_batching` must be one of {MICRO_BATCHING}, got {self.micro_batching!r}.")
         if self.micro_batching_split_tokens is not None and self.micro_batching_split_tokens < 0:

@@ -49,16 +49,21 @@ class FeatureRecorder:
         if self.stopped:
             return
         width = kept.size(1)
-        states = torch.stack([hidden_states[i][:, :width] for i in self.layers], dim=2)  # (B, n, m, H)
+        first = hidden_states[self.layers[0]]
         counts = kept.sum(dim=1).tolist()
-        size = sum(counts) * states[0, 0].numel() * states.element_size()
+        # sized before anything is stacked: a forward past the budget allocates nothing
+        size = sum(counts) * len(self.layers) * first.size(-1) * first.element_size()
         if self.max_bytes is not None and self.num_bytes + size > self.max_bytes:
             self.stopped = True
             return
         self.num_bytes += size
-        for row, states_row, kept_row, count in zip(row_ids.tolist(), states, kept, counts, strict=True):
+        # only the kept positions, (N, m, H) for N = sum(counts), moved in one copy and split per row on the host
+        flat = kept.flatten()
+        states = torch.stack([hidden_states[i][:, :width].flatten(0, 1)[flat] for i in self.layers], dim=1)
+        pieces = states.to(self.device, copy=True).split(counts)
+        for row, piece, count in zip(row_ids.tolist(), pieces, counts, strict=True):
             if count:
-                self._pieces[row].append(states_row[kept_row].to(self.device, copy=True))
+                self._pieces[row].append(piece)
 
     def finished(self, row_ids: torch.Tensor) -> None:
         """These rows emitted their last token: what they recorded so far is their whole sequence."""
@@ -142,7 +147,10 @@ class SequenceFeatures:
             if self.max_bytes is not None and self.num_bytes + size > self.max_bytes:
                 return
             self.num_bytes += size
-            row = torch.stack([hidden_states[i][b, start : end - 1] for i in self.layers], dim=1)  # (n - 1, m, H)
+            # detached: a training forward's states belong to its autograd graph, which must not outlive its backward
+            row = torch.stack(
+                [hidden_states[i][b, start : end - 1].detach() for i in self.layers], dim=1
+            )  # (n-1, m, H)
             key = tuple(ids[start:end].tolist())
             self._rows[key] = row.to(self.device)
             self._by_start.setdefault(key[:PREFIX_INDEX], []).append(key)

@@ -32,7 +32,14 @@ from .features import FeatureRecorder
 from .kv_cache import RaggedKVModel
 from .rejection_sampler import verify_drafts
 from .sampling import SamplingParams, process_logits, upcast_logits
-from .sharding import Lockstep, PolicyWeights, copying_policy_weights, needs_lockstep, policy_is_sharded
+from .sharding import (
+    WEIGHT_NAMES,
+    Lockstep,
+    PolicyWeights,
+    copying_policy_weights,
+    needs_lockstep,
+    policy_is_sharded,
+)
 from .speculation import (
     Arm,
     FixedSpeculation,
@@ -181,7 +188,7 @@ class SpeculativeEngine:
         record_layers: list[int] | None = None,
         record_max_bytes: int | None = None,
         synced: bool | None = None,
-        copy_policy_weights: bool | None = None,
+        copy_policy_weights: bool | tuple[str, ...] | None = None,
     ) -> GenerationOutput:
         """Complete every prompt. Returns completion ids, their processed logprobs and `GenerationStats`.
 
@@ -194,7 +201,8 @@ class SpeculativeEngine:
         `synced`: keep every process of the default group forwarding until all are done, as `generate`'s
         `synced_gpus` (None: when the policy is sharded across processes, `needs_lockstep`). `copy_policy_weights`:
         copy the policy's embedding and LM head whole during the prefill, for the drafters and the output
-        (`PolicyWeights`; None: when the policy is sharded, `policy_is_sharded`).
+        (`PolicyWeights`; None: when the policy is sharded, `policy_is_sharded`; a tuple: only those `PolicyWeights`
+        fields, e.g. `("input_embedding",)` for an EAGLE-3 head's drafting alone).
         """
         self._check_prompts(prompts, params)
         start = time.perf_counter()
@@ -206,11 +214,12 @@ class SpeculativeEngine:
         lockstep = Lockstep(self.model, self.pad_token_id) if synced else None
         if copy_policy_weights is None:
             copy_policy_weights = policy_is_sharded(self.model)
+        copied = WEIGHT_NAMES if copy_policy_weights is True else tuple(copy_policy_weights or ())
 
         # Prefill, then the first token.
-        with copying_policy_weights(self.model) if copy_policy_weights else contextlib.nullcontext() as copies:
+        with copying_policy_weights(self.model, copied) if copied else contextlib.nullcontext() as copies:
             last_logits = policy.prefill(prompts, self.pad_token_id)[:, None]  # (B, 1, V)
-        weights = PolicyWeights(**copies) if copy_policy_weights else None
+        weights = PolicyWeights(**copies) if copied else None
         if recorder is not None:
             recorder.record(policy.hidden_states, torch.arange(batch, device=device), policy.attention_mask)
         run = _Run(

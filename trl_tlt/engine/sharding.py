@@ -44,6 +44,14 @@ def policy_is_sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())  # duck-typed: deepspeed need not be importable
 
 
+def agreed_count(count: int, rows: int, device: torch.device) -> int:
+    """What every process of the default group runs when each wants `count` forwards over its `rows` rows: the most any
+    wants, at most the fewest rows any has (a forward needs a row). A collective: every rank calls it alike."""
+    counts = torch.tensor([count, -rows], device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return min(int(counts[0]), -int(counts[1]))
+
+
 def needs_lockstep(model: torch.nn.Module) -> bool:
     """transformers' rule for `synced_gpus`, on what the engine runs: a sharded policy and more than one process."""
     return _world_size() > 1 and policy_is_sharded(model)
@@ -89,26 +97,56 @@ class PolicyWeights:
     """Whole copies of the policy weights its drafter shares, for a policy whose own are shards between forwards.
 
     `input_embedding` (V, H) is what an EAGLE-3 head embeds tokens with; `output_embedding` (V, H) the LM head drafter
-    training builds the policy's distribution with (the same tensor when the policy ties them). Taken while the
-    prefill had them gathered: a copy of V x H (two if untied) per rank, kept until the next `generate`.
+    training builds the policy's distribution with (the same tensor when the policy ties them); None where nothing
+    reads it. A copy of V x H (two if untied) per rank, taken only where something reads it, and let go once read.
     """
 
-    input_embedding: torch.Tensor
-    output_embedding: torch.Tensor
+    input_embedding: torch.Tensor | None = None
+    output_embedding: torch.Tensor | None = None
 
 
-@contextlib.contextmanager
-def copying_policy_weights(model: PreTrainedModel):
-    """Within it, the model's next forward fills the yielded dict with whole copies of its input and output embedding
-    weights (`PolicyWeights` fields), taken in forward pre-hooks: after the hooks of FSDP and ZeRO-3, which gather a
-    module's parameters before it runs, in every backend."""
-    copies: dict[str, torch.Tensor] = {}
+WEIGHT_NAMES = ("input_embedding", "output_embedding")  # the `PolicyWeights` fields
+
+
+def _embedding_modules(model: PreTrainedModel, names) -> dict[str, torch.nn.Module]:
     modules = {"input_embedding": model.get_input_embeddings(), "output_embedding": model.get_output_embeddings()}
-    if any(module is None for module in modules.values()):
+    if any(modules[name] is None for name in names):
         raise ValueError(
             f"{type(model).__name__} has no input or output embedding module (`get_input_embeddings` / "
             "`get_output_embeddings`): the engine cannot copy the weights its drafter shares from a sharded policy."
         )
+    return {name: modules[name] for name in names}
+
+
+def whole_policy_weights(model: PreTrainedModel, names=WEIGHT_NAMES) -> PolicyWeights:
+    """Whole copies of the weights `names` of a policy sharded across processes, taken between its forwards: an FSDP2
+    shard all-gathered (`DTensor.full_tensor`), a ZeRO-3 partition gathered (`GatheredParameters`). A collective in
+    both: every rank calls it at the same point, with the same `names`. A policy whole on each rank: its own weights."""
+    from torch.distributed.tensor import DTensor
+
+    copies: dict[str, torch.Tensor] = {}
+    whole: dict[int, torch.Tensor] = {}  # by parameter: a tied LM head is copied once
+    for name, module in _embedding_modules(model, names).items():
+        weight = module.weight
+        if id(weight) not in whole:
+            if isinstance(weight, DTensor):
+                whole[id(weight)] = weight.detach().full_tensor()
+            elif hasattr(weight, "ds_id"):
+                with whole_parameters(weight):
+                    whole[id(weight)] = weight.detach().clone()
+            else:
+                whole[id(weight)] = weight.detach()
+        copies[name] = whole[id(weight)]
+    return PolicyWeights(**copies)
+
+
+@contextlib.contextmanager
+def copying_policy_weights(model: PreTrainedModel, names=WEIGHT_NAMES):
+    """Within it, the model's next forward fills the yielded dict with whole copies of its embedding weights `names`
+    (`PolicyWeights` fields), taken in forward pre-hooks: after the hooks of FSDP and ZeRO-3, which gather a
+    module's parameters before it runs, in every backend."""
+    copies: dict[str, torch.Tensor] = {}
+    modules = _embedding_modules(model, names)
 
     def copy(name):
         def hook(module, args):

@@ -83,6 +83,7 @@ def build_rollout_stack(
         watchdog=DrafterWatchdog() if colocated else None,
         fallback_reason=fallback_reason,
         spot_requested=args.spot_training is True,
+        feature_source=args.spot_feature_source,
         engine_checked=trainer.use_vllm,  # else the engine's cache is checked on the real policy at the first rollout
     )
 

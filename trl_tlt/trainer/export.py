@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 from ..drafters.eagle3 import Eagle3Model
 
@@ -35,3 +37,15 @@ def drafter_model_card(repo_id: str, policy: str, drafter_type: str, num_specula
         "trl-tlt during GRPO (TLT, *Taming the Long Tail*).\n\n"
         f"## Serve with vLLM\n\n```python\nfrom vllm import LLM\n\n{usage}\n```\n"
     )
+
+
+def push_to_hub(save, card: str, repo_id: str, private: bool | None, token: str | None, commit_message: str):
+    """`save(folder)` the drafter with `card` as its README and upload the folder to the Hub as `repo_id`."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    with tempfile.TemporaryDirectory() as folder:
+        save(folder)
+        (Path(folder) / "README.md").write_text(card)
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        return api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message)

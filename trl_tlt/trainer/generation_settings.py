@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
+import torch
 from datasets import Dataset
 from peft import PeftModel
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
+from trl.models import unwrap_model_for_generation
 
 from ..engine import SamplingParams
 from ..engine.kv_cache import unsupported_architecture
@@ -165,3 +168,31 @@ def check_prompt_lengths(trainer) -> None:
                 f"{context}): a completion that long runs past the positions the model knows, as with GRPOTrainer. "
                 "Lower max_completion_length or drop the longest prompts."
             )
+
+
+def padded_width(prompt_ids: list[list[int]], pad_to_multiple_of: int | None) -> int:
+    """The width GRPOTrainer's `generate` left-pads this batch of prompts to (`pad_to_multiple_of` included)."""
+    width = max(map(len, prompt_ids))
+    return width if not pad_to_multiple_of else -(-width // pad_to_multiple_of) * pad_to_multiple_of
+
+
+@contextmanager
+def unwrapped_for_generation(trainer):
+    """GRPOTrainer's generation context (unwrap / no_grad / summon_full_params), the model in eval mode."""
+    with (
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=getattr(trainer, "generation_kwargs", None),  # unset with vLLM
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as unwrapped_model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        was_training = unwrapped_model.training
+        unwrapped_model.eval()
+        try:
+            yield unwrapped_model
+        finally:
+            unwrapped_model.train(was_training)

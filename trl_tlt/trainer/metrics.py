@@ -79,10 +79,15 @@ def spot_metrics(stats: SpotStats, spot: SpotTrainer) -> dict[str, float]:
     return metrics
 
 
-def vllm_rollout_metrics(seconds: float, num_tokens: int, stats: dict[str, float] | None) -> dict[str, float]:
-    """One generation turn of vLLM."""
+def vllm_rollout_metrics(
+    seconds: float, num_tokens: int, stats: dict[str, float] | None, faults: tuple[int, int] | None = None
+) -> dict[str, float]:
+    """One generation turn of vLLM; `faults`: (regenerated rollouts, drafter re-pushes) where vLLM colocate speculates
+    with a drafter."""
     metrics = {"tlt/rollout_seconds": seconds, "tlt/rollout_tokens_per_second": num_tokens / max(seconds, 1e-9)}
     if stats is not None:
         metrics["tlt/mean_acceptance_length"] = stats["mean_acceptance_length"]
         metrics["tlt/draft_acceptance_rate"] = stats["draft_acceptance_rate"]
+    if faults is not None:
+        metrics["tlt/vllm_spec_faults"], metrics["tlt/drafter_repushes"] = faults
     return metrics

@@ -26,12 +26,13 @@ from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from ..drafters.model import ModelDrafter
 from ..engine import Drafter, FixedSpeculation, GenerationOutput, SamplingParams, SpeculationPolicy, SpeculativeEngine
 from ..engine.features import SequenceFeatures
-from ..engine.sharding import PolicyWeights
+from ..engine.sharding import PolicyWeights, whole_policy_weights
 from ..engine.speculation import BanditSpeculation, dominant_bucket
 from ..engine.stats import GenerationStats
 from ..training.distillation import PolicyView
 from ..training.spot import SpotStats, SpotTrainer
 from ..vllm.watchdog import DrafterWatchdog
+from .step_features import StepFeatures
 
 
 logger = logging.get_logger(__name__)
@@ -108,6 +109,9 @@ class RolloutStack:
     last_vllm_stats: dict[str, float] | None = None  # vLLM's acceptance over its latest turn
     vllm_spec_faults: int = 0  # rollouts regenerated without speculation (vLLM's samples failed the check)
     drafter_repushes: int = 0  # drafter pushes into vLLM the watchdog made
+    feature_source: str = "rollout"  # `spot_feature_source`, as configured
+    step_features: StepFeatures | None = None  # what the training step's loss forwards recorded for the drafter
+    rollout_costs: tuple[float, dict[int, float]] = (0.0, {})  # the last rollout's seconds and verify costs
     _writer: threading.Thread | None = field(default=None, repr=False)
     _write_error: tuple[Path, BaseException] | None = field(default=None, repr=False)
 
@@ -169,16 +173,23 @@ class RolloutStack:
     def generate(
         self, policy: PreTrainedModel, prompt_ids: list[list[int]], params: SamplingParams, pad_token_id: int,
         padded_width: int, training: bool = True, version: int | None = None, sharded: bool = False,
+        record: bool = True,
     ) -> GenerationOutput:  # fmt: skip
-        """One generation turn through trl-tlt's engine, recorded for the end of the rollout (in `training`, with the
-        hidden states spot training will read, which the engine keeps as it goes: drafter training never runs the
-        policy again), within what the buffer's memory cap leaves once the features older than policy `version` are
-        dropped. `sharded`: the trainer's policy is sharded across processes (its whole embedding and LM head are
-        copied during the turn, `policy_weights`, even where the context gathered it for generation)."""
+        """One generation turn through trl-tlt's engine, recorded for the end of the rollout (in `training` and where
+        `record`, with the hidden states spot training will read, which the engine keeps as it goes: drafter training
+        never runs the policy again), within what the buffer's memory cap leaves once the features older than policy
+        `version` are dropped. `sharded`: the trainer's policy is sharded across processes: what reads its embedding
+        (an EAGLE-3 head drafting) and its LM head (spot training on the recorded states) gets a whole copy, taken
+        during the turn (`policy_weights`), the previous turn's let go first."""
         drafter, speculation = self.rollout_drafter()
         self.last_speculation = speculation
         engine = SpeculativeEngine(policy, drafter=drafter, speculation=speculation, pad_token_id=pad_token_id)
-        record = training and self.spot is not None and self.turns is not None and self.spot.wants_features
+        record = record and training and self.spot is not None and self.turns is not None and self.spot.wants_features
+        copied = ()
+        if sharded:
+            self.release_policy_weights()  # never two copies alive at once
+            reads_embedding = isinstance(self.trainable_drafter, Eagle3Model) and drafter is not None
+            copied = ("input_embedding",) * reads_embedding + ("output_embedding",) * record
         layers, budget = None, None
         if record:
             layers = self.spot.feature_layers(policy)
@@ -187,10 +198,10 @@ class RolloutStack:
             budget = max(self.spot.buffer.max_feature_bytes - self.spot.buffer.feature_bytes - recorded, 0)
         out = engine.generate(
             prompt_ids, params, generator=self.generator, padded_width=padded_width, record_layers=layers,
-            record_max_bytes=budget, copy_policy_weights=True if sharded else None,
+            record_max_bytes=budget, copy_policy_weights=copied,
         )  # fmt: skip
-        if out.policy_weights is not None:
-            self.policy_weights = out.policy_weights
+        if out.policy_weights is not None and out.policy_weights.output_embedding is not None:
+            self.policy_weights = out.policy_weights  # for the spot phase at the rollout's end
         # Copies: GRPOTrainer's tool loop replaces the returned completions in place with completion + tool result +
         # the next turn, tokens the policy did not sample.
         prompts, completions = [list(p) for p in prompt_ids], [list(c) for c in out.completion_ids]
@@ -240,6 +251,12 @@ class RolloutStack:
             prompts = [p for turn in turns for p in turn.prompt_ids]
             self.history.add(prompts, [list(c) for turn in turns for c in turn.completion_ids])
 
+    def release_policy_weights(self) -> None:
+        """Let go of the whole copies of a sharded policy's embedding and LM head (they are taken again where read)."""
+        self.policy_weights = None
+        if isinstance(self.trainable_drafter, Eagle3Model):
+            self.trainable_drafter.use_policy_weights(None)
+
     def sharded_policy_view(self, config) -> PolicyView | None:
         """What drafter training reads of a policy sharded across processes: the LM head the rollouts copied (never the
         policy, whose forward is a collective); None where none was copied yet (with one warning)."""
@@ -265,11 +282,13 @@ class RolloutStack:
         return {k: cost for k, cost in costs.items() if k_max is None or k <= k_max}
 
     def train_drafter(
-        self, policy: PreTrainedModel | PolicyView | None, turns: list[RolloutTurn], version: int | None = None
-    ) -> SpotStats | None:
+        self, policy: PreTrainedModel | PolicyView | None, turns: list[RolloutTurn], version: int | None = None,
+        lockstep: bool = False,
+    ) -> SpotStats | None:  # fmt: skip
         """Spot training on the rollout's turns, once per rollout, training only, on every rank. `policy`: the policy
         unwrapped for generation, after `version` optimizer steps, or the view of a sharded one (its LM head copied by
-        the rollout; never run), None where this rank has none yet. Returns None if spot training stopped here."""
+        the rollout; never run), None where this rank has none yet. `lockstep`: the ranks generated in lockstep, so
+        none is idle: each trains within the time budget, then the merge. Returns None if spot training stopped."""
         spot = self.spot
         prompts = [p for turn in turns for p in turn.prompt_ids]
         if prompts:  # a rollout with no turn of ours (a rollout_func's own generation) still joins the others
@@ -281,7 +300,8 @@ class RolloutStack:
                     turn.features.clear()
         else:  # nothing new: what the buffer holds of an older policy goes all the same
             spot.buffer.drop_stale(version)
-        if spot.group is None:  # one process: within the time budget, which the rollout's seconds set
+        if spot.group is None or (lockstep and policy is not None and not self.spot_refused):
+            # one process (or no idle time): within the time budget, which the rollout's seconds set
             if policy is None:  # a sharded policy no rollout copied yet: nothing to train with
                 return None
             self.last_spot = spot.run_between_rollouts(policy, sum(t.seconds for t in turns), self.verify_costs(turns))
@@ -292,6 +312,54 @@ class RolloutStack:
         if self.last_spot.refused:  # every rank learned it at the idle barrier: every rank stops alike
             self._stop_spot_training()
             return None
+        return self.last_spot
+
+    # ------------------------------------------------------------------------ the training step's features
+    def step_recorder(self, policy: PreTrainedModel, version: int) -> StepFeatures | None:
+        """Where the loss forwards of the current generation batch record the drafter's data (`StepFeatures`), made at
+        its first micro-batch, within what the buffer's memory cap leaves once the features older than `version` are
+        dropped; None where spot training reads none now (off, or a phase the time budget skips)."""
+        if self.spot is None or not self.spot.wants_features:
+            return None
+        if self.step_features is None:
+            self.spot.buffer.drop_stale(version)
+            budget = self.spot.buffer.max_feature_bytes - self.spot.buffer.feature_bytes
+            self.step_features = StepFeatures(self.spot.feature_layers(policy), max(budget, 0), version)
+        return self.step_features
+
+    def reads_step_features(self, use_vllm: bool, vllm_speculating: bool, lockstep: bool) -> bool:
+        """Whether spot training reads the training step's features (`spot_feature_source`; "auto": where the engine
+        records nothing, vLLM, or lockstep leaves no idle time), alike on every rank."""
+        if self.spot is None or not vllm_speculating:
+            return False
+        if self.feature_source == "auto":
+            return use_vllm or lockstep
+        return self.feature_source == "training_step"
+
+    def train_drafter_on_step(self, policy: PreTrainedModel, version: int, sharded: bool) -> SpotStats:
+        """Spot training on what the generation batch's loss forwards recorded, once per generation batch, on every
+        rank alike (a phase the budget skips included: it counts the skip, and with several processes every rank
+        reaches the merge): within the time budget the last rollout's seconds set (`rollout_costs`), then the ranks'
+        drafters merged. Reads the policy's LM head, never runs the policy (rows without states are dropped, never
+        rerun); a `sharded` policy's embedding and LM head are gathered whole for it (a collective every rank joins
+        here), then let go."""
+        recorded, self.step_features = self.step_features, None
+        if recorded is not None:
+            self.spot.observe_rollout(recorded.prompts, recorded.completions, recorded.features, recorded.version)
+        else:
+            self.spot.buffer.drop_stale(version)
+        head_weight = policy.get_output_embeddings().weight
+        if sharded:
+            weights = whole_policy_weights(policy)
+            if isinstance(self.trainable_drafter, Eagle3Model):
+                self.trainable_drafter.use_policy_weights(weights)
+            head_weight = weights.output_embedding
+        seconds, costs = self.rollout_costs
+        try:
+            self.last_spot = self.spot.run_between_rollouts(PolicyView(head_weight, policy.config), seconds, costs)
+        finally:
+            if sharded:
+                self.release_policy_weights()
         return self.last_spot
 
     # --------------------------------------------------------------------------------- save and resume

@@ -14,12 +14,10 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import statistics
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sized
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -27,21 +25,20 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
-from trl.models import unwrap_model_for_generation
 from trl.trainer import grpo_trainer
 
 from .._swap import swapped
 from ..config import TLTConfig, as_tlt_config
 from ..engine.features import SequenceFeatures
 from ..engine.kv_cache import ragged_cache_mismatch
-from ..engine.sharding import needs_lockstep, policy_is_sharded
+from ..engine.sharding import agreed_count, needs_lockstep, policy_is_sharded
 from ..training.micro_batching import (
-    REGROUPABLE_LOSS_TYPES,
     group_by_length,
+    regroups_micro_batches,
     split_tokens_for,
     trimmed_logps_and_entropies,
 )
-from ..vllm.check import SampleMoments, policy_sample_moments, vllm_sampling_params
+from ..vllm.check import SampleMoments
 from . import export
 from . import generation_settings as settings
 from .build import build_rollout_stack, build_vllm_generation
@@ -64,28 +61,6 @@ def _parent_without_stack(hook):
         return hook(self, *args, **kwargs)
 
     return dispatch
-
-
-@contextmanager
-def unwrapped_for_generation(trainer: GRPOTrainer):
-    """GRPOTrainer's generation context (unwrap / no_grad / summon_full_params), the model in eval mode."""
-    with (
-        unwrap_model_for_generation(
-            trainer.model_wrapped,
-            trainer.accelerator,
-            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            generation_kwargs=getattr(trainer, "generation_kwargs", None),  # unset with vLLM
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-        ) as unwrapped_model,
-        torch.no_grad(),
-        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
-    ):
-        was_training = unwrapped_model.training
-        unwrapped_model.eval()
-        try:
-            yield unwrapped_model
-        finally:
-            unwrapped_model.train(was_training)
 
 
 class TLTGRPOTrainer(GRPOTrainer):
@@ -197,10 +172,15 @@ class TLTGRPOTrainer(GRPOTrainer):
                 reason = stack.fallback_reason
                 if reason is None:
                     params = settings.sampling_params(unwrapped_model, self.generation_config)
-                    pad, width = self._tokenizer.pad_token_id, self._padded_width(prompt_ids)
-                    out = stack.generate(
-                        unwrapped_model, prompt_ids, params, pad, width, training, self.state.global_step, sharded
+                    pad, width = (
+                        self._tokenizer.pad_token_id,
+                        settings.padded_width(prompt_ids, self.pad_to_multiple_of),
                     )
+                    record = not self._drafter_trains_on_step()  # else the training step records the states
+                    out = stack.generate(
+                        unwrapped_model, prompt_ids, params, pad, width, training, self.state.global_step, sharded,
+                        record,
+                    )  # fmt: skip
             if reason is None:
                 self._log(rollout_metrics(out.stats, stack.history, stack.last_speculation))
                 # Like the parent's transformers path, no sampling logprobs: the trainer's own forward provides them.
@@ -221,11 +201,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         stats = self.vllm_generation.spec_decode_stats() if colocate else None
         self.tlt.record(RolloutTurn(prompt_ids, [list(ids) for ids in completion_ids], seconds, stats))
         self.tlt.last_vllm_stats = stats
-        metrics = vllm_rollout_metrics(seconds, sum(len(ids) for ids in completion_ids), stats)
-        if colocate and self.vllm_generation.speculative_config is not None:
-            metrics["tlt/vllm_spec_faults"] = self.tlt.vllm_spec_faults
-            metrics["tlt/drafter_repushes"] = self.tlt.drafter_repushes
-        self._log(metrics)
+        faults = (self.tlt.vllm_spec_faults, self.tlt.drafter_repushes)
+        speculating = colocate and self.vllm_generation.speculative_config is not None
+        self._log(vllm_rollout_metrics(seconds, sum(map(len, completion_ids)), stats, faults if speculating else None))
         return completion_ids, logprobs
 
     def _end_rollout(self) -> None:
@@ -244,7 +222,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         if not self.model.training:
             return
         stack.remember(turns)
-        if stack.spot is not None and not (self.use_vllm and not self.vllm_generation.speculating):
+        if self._drafter_trains_on_step():  # beside the training step, whose loss forwards record its data
+            stack.rollout_costs = (sum(t.seconds for t in turns), stack.verify_costs(turns))
+        elif stack.spot is not None and not (self.use_vllm and not self.vllm_generation.speculating):
             if stack.defer_spot_training:  # trained after the check's forward, on its hidden states
                 stack.deferred_turns = [*(stack.deferred_turns or ()), *turns]
             else:
@@ -252,8 +232,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         if stack.watchdog is not None:
             self._watch_vllm_drafter(turns)
 
-    def _spot_phase(self, turns: list[RolloutTurn]) -> None:
-        """Spot training on the rollout's turns, its metrics logged, the drafter pushed into vLLM."""
+    def _spot_phase(self, turns: list[RolloutTurn] | None = None) -> None:
+        """Spot training on the rollout's turns (None: beside the training step, on what its loss forwards recorded),
+        its metrics logged, the drafter pushed into vLLM."""
         with profiling_context(self, "tlt.spot_training"):
             spot = self._train_drafter(turns)
         if spot is not None:
@@ -262,15 +243,23 @@ class TLTGRPOTrainer(GRPOTrainer):
             with profiling_context(self, "tlt.sync_drafter"):
                 self.vllm_generation.sync_drafter()
 
-    def _train_drafter(self, turns: list[RolloutTurn]):
-        """Spot training on this rollout. A sharded policy is never gathered here (a collective: this rank would wait
-        for the slowest at it, its idle time lost): drafter training reads the whole LM head the rollout copied."""
-        stack, version = self.tlt, self.state.global_step
-        if policy_is_sharded(self.model_wrapped):
+    def _train_drafter(self, turns: list[RolloutTurn] | None):
+        """Spot training on this rollout, or (`turns` None) on the training step's features. A sharded policy is never
+        gathered at a rollout's end (a collective: this rank would wait for the slowest at it, its idle time lost):
+        drafter training reads the whole LM head the rollout copied."""
+        stack, version, sharded = self.tlt, self.state.global_step, policy_is_sharded(self.model_wrapped)
+        if turns is None:
+            return stack.train_drafter_on_step(self.accelerator.unwrap_model(self.model), version, sharded)
+        if sharded:
             view = stack.sharded_policy_view(self.accelerator.unwrap_model(self.model).config)
-            return stack.train_drafter(view, turns, version)
+            return stack.train_drafter(view, turns, version, lockstep=needs_lockstep(self.model_wrapped))
         with self._unwrapped_for_generation() as unwrapped_model:
             return stack.train_drafter(unwrapped_model, turns, version)
+
+    def _drafter_trains_on_step(self) -> bool:
+        """Whether spot training reads the training step's features (`spot_feature_source`), on every rank alike."""
+        speculating = not self.use_vllm or self.vllm_generation.speculating
+        return self.tlt.reads_step_features(self.use_vllm, speculating, needs_lockstep(self.model_wrapped))
 
     def _watch_vllm_drafter(self, turns: list[RolloutTurn]) -> None:
         """The drafter in vLLM, watched on the acceptance of every rank's turns (summed over ranks, so that every rank
@@ -286,25 +275,14 @@ class TLTGRPOTrainer(GRPOTrainer):
         acceptance = 1.0 + accepted / steps
         verdict = self.tlt.watchdog.observe(acceptance)
         if verdict == "repush":
-            logger.warning(
-                f"vLLM's acceptance length fell to {acceptance:.2f} against a recent level of "
-                f"{1 + statistics.median(self.tlt.watchdog.history):.2f}: its draft weights look wiped or stale; "
-                "the drafter is pushed again."
-            )
+            logger.warning(self.tlt.watchdog.repush_message(acceptance))
             with profiling_context(self, "tlt.sync_drafter"):
                 self.vllm_generation.sync_drafter()
             self.tlt.drafter_repushes += 1
         elif verdict == "off":
-            self._turn_speculation_off(f"vLLM's acceptance length stayed collapsed ({acceptance:.2f}) after a re-push")
-
-    def _turn_speculation_off(self, reason: str) -> None:
-        if not self.vllm_generation.speculating:
-            return
-        self.vllm_generation.disable_speculation()
-        logger.warning(
-            f"{reason}: speculative decoding in vLLM is turned off for the rest of training (rollouts sample as vLLM "
-            "does without a drafter; spot training stops)."
-        )
+            self.vllm_generation.disable_speculation(
+                f"vLLM's acceptance length stayed collapsed ({acceptance:.2f}) after a re-push"
+            )
 
     @_parent_without_stack
     def _generate_and_score_completions(self, inputs):
@@ -314,10 +292,13 @@ class TLTGRPOTrainer(GRPOTrainer):
         logged = {key: list(values) for key, values in self._metrics[mode].items()}
         tokens_seen = self.state.num_input_tokens_seen
         stack = self.tlt
-        # Spot training on vLLM's rollouts waits for the check below, whose forward over the batch records the hidden
-        # states it trains on (no forward of its own), and trains only on samples that passed the check. Not where it
-        # trains in the ranks' idle time (several processes, no `spot_steps_per_rollout`): that time is before it.
-        stack.defer_spot_training = stack.spot_waits_for_check(self.model.training, self.vllm_generation.speculating)
+        # With `spot_feature_source="rollout"`, spot training on vLLM's rollouts waits for the check below, whose forward
+        # over the batch records the hidden states it trains on (no forward of its own), and trains only on samples
+        # that passed the check. Not where it trains in the ranks' idle time (several processes, no
+        # `spot_steps_per_rollout`): that time is before it. Otherwise the training step records them.
+        stack.defer_spot_training = not self._drafter_trains_on_step() and stack.spot_waits_for_check(
+            self.model.training, self.vllm_generation.speculating
+        )
         try:
             output = super()._generate_and_score_completions(inputs)
             turns = stack.deferred_turns
@@ -339,7 +320,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             # Never train on samples that may not be the policy's: this batch is generated again, without speculation
             # (the first attempt's logged metrics are discarded with it).
             self.tlt.vllm_spec_faults += 1
-            self._turn_speculation_off(
+            self.vllm_generation.disable_speculation(
                 f"vLLM's speculative samples failed the check ({check.describe()}); the batch is generated again "
                 "without it"
             )
@@ -355,17 +336,10 @@ class TLTGRPOTrainer(GRPOTrainer):
         rollout (None where none did: vLLM sampled without a drafter, as GRPOTrainer's vLLM does). Every rank runs it:
         a gather, then a forward over its batch (recording the hidden states drafter training reads into `sink`) and a
         sum over ranks."""
-        device = self.accelerator.device
-        speculated = torch.tensor([float(self.tlt.rollout_speculated)], device=device)
-        if not bool(self.accelerator.gather(speculated).any()):
-            return None
-        params = vllm_sampling_params(self.vllm_generation)
-        with (
-            self._unwrapped_for_generation() as unwrapped_model,  # eval mode: no dropout in the policy's forward
-            sink.recording(unwrapped_model) if sink is not None else nullcontext(),
-        ):
-            local = policy_sample_moments(unwrapped_model, output, params, self.args.per_device_train_batch_size)
-        return SampleMoments.from_tensor(self.accelerator.reduce(local.as_tensor(device), "sum").cpu())
+        return self.vllm_generation.check_samples(
+            output, self.tlt.rollout_speculated, self._unwrapped_for_generation, self.args.per_device_train_batch_size,
+            sink,
+        )  # fmt: skip
 
     # --------------------------------------------------------------------------------------- training phase
     @_parent_without_stack
@@ -393,38 +367,42 @@ class TLTGRPOTrainer(GRPOTrainer):
             return forward(input_ids, attention_mask, logits_to_keep, batch_size)
         # An aux loss is averaged per chunk: keep TRL's chunks (trim only); otherwise rows are independent.
         split = split_tokens_for(input_ids.device, self.args.micro_batching_split_tokens)
-        agree = self._agreed_chunk_count if needs_lockstep(self.model_wrapped) else None
+        agree = (
+            functools.partial(agreed_count, device=input_ids.device) if needs_lockstep(self.model_wrapped) else None
+        )
         return trimmed_logps_and_entropies(
             forward, input_ids, attention_mask, logits_to_keep, batch_size, not compute_aux_loss, split, agree
         )
 
-    def _agreed_chunk_count(self, chunks: int, rows: int) -> int:
-        """The forwards every rank of a sharded policy runs in one call (each forward is a collective): the most any
-        rank wants, at most the fewest rows any rank has."""
-        counts = torch.tensor([chunks, -rows], device=self.accelerator.device)
-        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
-        return min(int(counts[0]), -int(counts[1]))
+    @_parent_without_stack
+    def _compute_loss(self, model, inputs):
+        """GRPOTrainer's loss; on the first pass over a generation batch, with the drafter's data recorded by its
+        forwards where spot training reads the training step's (`trl_tlt/trainer/step_features.py`)."""
+        first_pass = self._step // self.args.steps_per_generation % self.num_iterations == 0
+        policy, recorder = self.accelerator.unwrap_model(self.model), None
+        if self.model.training and first_pass and self._drafter_trains_on_step():
+            recorder = self.tlt.step_recorder(policy, self.state.global_step)
+        with recorder.recording(policy, inputs) if recorder is not None else nullcontext():
+            return super()._compute_loss(model, inputs)
 
-    def _regroups_micro_batches(self) -> bool:
-        """Whether sorting an optimizer step's rows into micro-batches by length leaves the loss exactly unchanged."""
-        args = self.args
-        return (
-            args.micro_batching == "length_grouped"
-            and self.loss_type in REGROUPABLE_LOSS_TYPES
-            and self.top_entropy_quantile == 1.0  # its threshold is a quantile over each micro-batch
-            and not self._entropy_bonus_enabled  # a per-micro-batch mean
-            and not self.aux_loss_enabled  # averaged per micro-batch
-            and not args.use_liger_kernel  # Liger's fused loss aggregates on its own (unverified here)
-            and args.gradient_accumulation_steps > 1
-            and args.steps_per_generation % args.gradient_accumulation_steps == 0  # windows = optimizer steps
-        )
+    @_parent_without_stack
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)  # counts `self._step`
+        generation = self.args.steps_per_generation
+        first_pass = (self._step - 1) // generation % self.num_iterations == 0
+        if self._step % generation == 0 and first_pass and self._drafter_trains_on_step():
+            self._spot_phase()  # the generation batch's last loss forward is done; before the optimizer step
+        return loss
 
     @_parent_without_stack
     def _prepare_inputs(self, generation_batch):
         buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
         fresh = self.model.training and self._buffered_inputs is not buffered
-        if fresh and self._regroups_micro_batches() and "pixel_values" not in inputs:
+        regroup = regroups_micro_batches(
+            self.args, self.loss_type, self.top_entropy_quantile, self._entropy_bonus_enabled, self.aux_loss_enabled
+        )
+        if fresh and regroup and "pixel_values" not in inputs:
             accumulation = self.args.gradient_accumulation_steps
             if self._step % accumulation == 0:  # the buffer starts at an optimizer-step boundary
                 # regrouped in place: the parent's buffer, its micro-batches sorted by length
@@ -463,27 +441,14 @@ class TLTGRPOTrainer(GRPOTrainer):
         commit_message: str = "Upload TLT drafter",
     ):  # fmt: skip
         """Save the drafter with a model card and upload it to the Hub as `repo_id`. Returns the commit info."""
-        from huggingface_hub import HfApi
-
         if not self.accelerator.is_main_process:
             return None
-        api = HfApi(token=token)
         policy = self.accelerator.unwrap_model(self.model).config._name_or_path or "the policy"
         card = export.drafter_model_card(repo_id, policy, self.args.drafter_type, self.args.num_speculative_tokens)
-        with tempfile.TemporaryDirectory() as folder:
-            self.save_drafter(folder)
-            (Path(folder) / "README.md").write_text(card)
-            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-            return api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message)
+        return export.push_to_hub(self.save_drafter, card, repo_id, private, token, commit_message)
 
     # ------------------------------------------------------------------------------------------------ helpers
-    _unwrapped_for_generation = unwrapped_for_generation
-
-    def _padded_width(self, prompt_ids: list[list[int]]) -> int:
-        """The width GRPOTrainer's `generate` left-pads this batch of prompts to (`pad_to_multiple_of` included)."""
-        width = max(map(len, prompt_ids))
-        multiple = self.pad_to_multiple_of
-        return width if not multiple else -(-width // multiple) * multiple
+    _unwrapped_for_generation = settings.unwrapped_for_generation
 
     def _note_stock_generation(self, reason: str) -> None:
         """Say once per reason that rollouts use GRPOTrainer's generation (correct, without TLT's speed-up)."""

@@ -38,6 +38,23 @@ REGROUPABLE_LOSS_TYPES = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "
 SPLIT_TOKENS = {"cpu": 64, "accelerator": 4096}
 
 
+def regroups_micro_batches(
+    args, loss_type: str, top_entropy_quantile: float, entropy_bonus: bool, aux_loss: bool
+) -> bool:
+    """Whether sorting an optimizer step's rows into micro-batches by length leaves the loss exactly unchanged (`args`:
+    the trainer's `TLTConfig`; the rest as GRPOTrainer resolved them)."""
+    return (
+        args.micro_batching == "length_grouped"
+        and loss_type in REGROUPABLE_LOSS_TYPES
+        and top_entropy_quantile == 1.0  # its threshold is a quantile over each micro-batch
+        and not entropy_bonus  # a per-micro-batch mean
+        and not aux_loss  # averaged per micro-batch
+        and not args.use_liger_kernel  # Liger's fused loss aggregates on its own (unverified here)
+        and args.gradient_accumulation_steps > 1
+        and args.steps_per_generation % args.gradient_accumulation_steps == 0  # windows = optimizer steps
+    )
+
+
 def split_tokens_for(device: torch.device, configured: int | None) -> int:
     """`micro_batching_split_tokens`, resolved for the policy's device."""
     if configured is not None:

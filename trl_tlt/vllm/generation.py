@@ -9,16 +9,23 @@ drafter that died inside vLLM anyway); `disable_speculation` turns speculation o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
 
 import torch
 from torch import nn
+from transformers.utils import logging
 from trl.generation import vllm_generation as trl_vllm_generation
 from trl.generation.vllm_generation import VLLMGeneration
 
 from .._swap import swapped
+from ..engine.features import SequenceFeatures
+from .check import SampleMoments, policy_sample_moments, vllm_sampling_params
+
+
+logger = logging.get_logger(__name__)
 
 
 _ANY_BATCH_SIZE = 1 << 20
@@ -168,12 +175,34 @@ class TLTVLLMGeneration(VLLMGeneration):
         """True while vLLM speculates (colocate, a drafter configured, not turned off)."""
         return self.mode == "colocate" and self.speculative_config is not None and not self._speculation_off
 
-    def disable_speculation(self) -> None:
+    def disable_speculation(self, reason: str | None = None) -> None:
         """No draft tokens from now on: vLLM's batch-size schedule (always set, see `speculative_config`) is
-        zeroed in its scheduler; every later step samples as vLLM without speculation does."""
+        zeroed in its scheduler; every later step samples as vLLM without speculation does. `reason`: said once, in a
+        warning, where speculation was on."""
+        if reason is not None and self.speculating:
+            logger.warning(
+                f"{reason}: speculative decoding in vLLM is turned off for the rest of training (rollouts sample as "
+                "vLLM does without a drafter; spot training stops)."
+            )
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
         scheduler.dynamic_sd_lookup[:] = [0] * len(scheduler.dynamic_sd_lookup)
         self._speculation_off = True
+
+    def check_samples(
+        self, output: dict, speculated: bool, policy_context, batch_size: int, sink: SequenceFeatures | None = None
+    ) -> SampleMoments | None:
+        """The check of trl_tlt/vllm/check.py over every rank's batch `output` (GRPOTrainer's), where any rank's vLLM
+        may have speculated in this rollout (`speculated`, this rank's; None where none did: vLLM sampled without a
+        drafter, as GRPOTrainer's vLLM does). Every rank runs it: a gather, then a forward of the policy
+        (`policy_context()` yields it unwrapped, in eval mode) over its batch, `batch_size` rows at a time, recording
+        the hidden states drafter training reads into `sink`, and a sum over ranks."""
+        device = self.accelerator.device
+        if not bool(self.accelerator.gather(torch.tensor([float(speculated)], device=device)).any()):
+            return None
+        params = vllm_sampling_params(self)
+        with policy_context() as policy, sink.recording(policy) if sink is not None else contextlib.nullcontext():
+            local = policy_sample_moments(policy, output, params, batch_size)
+        return SampleMoments.from_tensor(self.accelerator.reduce(local.as_tensor(device), "sum").cpu())
 
     def spec_decode_stats(self) -> dict[str, float] | None:
         """Acceptance over the last generate call (None when no verify step had a draft)."""

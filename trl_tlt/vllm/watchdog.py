@@ -38,3 +38,10 @@ class DrafterWatchdog:
         self.repushed = False
         self.history.append(accepted)
         return None
+
+    def repush_message(self, acceptance_length: float) -> str:
+        return (
+            f"vLLM's acceptance length fell to {acceptance_length:.2f} against a recent level of "
+            f"{1 + statistics.median(self.history):.2f}: its draft weights look wiped or stale; the drafter is pushed "
+            "again."
+        )

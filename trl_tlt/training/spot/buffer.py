@@ -33,8 +33,9 @@ class DataBuffer:
     rollout recorded them), at most `max_tokens` tokens and `max_feature_bytes` of features in all, the held-out
     sequences' included.
 
-    Features are the policy's as it was at its rollout: those from before its last update are dropped (`add` with a
-    newer `version`), never trained on stale.
+    Features are the policy's as it was at its rollout (or its training step). A sequence stays while its features are
+    at most `window - 1` policy updates old (TLT's one-step offset: with `window=2`, the previous rollout's, one update
+    old, beside the current one's), and leaves after: `add` with a newer `version` drops the older ones.
 
     Args:
         window: Rollouts kept (TLT's one-step offset: 2 = the current and the previous rollout).
@@ -115,11 +116,13 @@ class DataBuffer:
         return dropped
 
     def drop_stale(self, version: int | None) -> None:
-        """Drop the sequences whose features the policy computed before `version` (None: nothing to compare)."""
+        """Drop the sequences whose features the policy computed more than `window - 1` updates before `version` (None:
+        nothing to compare): the window's older rollouts stay, their features one update old each."""
         if version is None:
             return
+        oldest = version - (self.window - 1)
         for rollout in (*self.rollouts, self.held_out):
-            rollout[:] = [s for s in rollout if s.version is None or s.version >= version]
+            rollout[:] = [s for s in rollout if s.version is None or s.version >= oldest]
 
     @property
     def unseen(self) -> list[DrafterSample]:

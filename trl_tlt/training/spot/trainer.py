@@ -24,6 +24,7 @@ from ..distillation import (
     sample_features,
 )
 from .buffer import DataBuffer, take_tokens
+from .precision import autocast, flushing_denormals
 from .schedule import SpotBudget, SpotSchedule, acceptance_length, expected_speedup
 from .stats import SpotStats
 
@@ -137,24 +138,6 @@ class SpotTrainer:
             return eagle3_loss(self.drafter, head_weight, row, self.config, agreement, loss=not agreement)
         return lm_distill_loss(self.drafter, head_weight, features, self.config.chunk_size)
 
-    @contextlib.contextmanager
-    def _flushing_denormals(self):
-        """A drafter step on CPU with denormals flushed to zero (a new head's cold start leaves them in its float32
-        products: its steps ran twice as slow). PyTorch's default, off, is restored after: the policy is untouched."""
-        if self.drafter.device.type != "cpu":
-            yield
-            return
-        torch.set_flush_denormal(True)
-        try:
-            yield
-        finally:
-            torch.set_flush_denormal(False)
-
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.drafter.device.type, dtype=self.autocast_dtype)
-
     @property
     def wants_features(self) -> bool:
         """Whether the next phase trains on the coming rollout (one process: not a phase the budget skips)."""
@@ -193,9 +176,9 @@ class SpotTrainer:
         if not features or preempt():
             return None
         self.drafter.train()
-        with self._flushing_denormals():
+        with flushing_denormals(self.drafter.device):
             try:
-                with torch.enable_grad(), self._autocast():
+                with torch.enable_grad(), autocast(self.drafter.device, self.autocast_dtype):
                     loss, _ = self._loss(policy, features)
                     if preempt():
                         return None
@@ -333,10 +316,14 @@ class SpotTrainer:
     def run_between_rollouts(
         self, policy: PreTrainedModel | PolicyView, rollout_seconds: float = 0.0, step_costs: dict | None = None
     ) -> SpotStats:  # fmt: skip
-        """One process: drafter steps within the budget `SpotBudget` gives this phase (`time_budget x
-        rollout_seconds x share`), or exactly `steps_per_phase` of them; timed (this time is added to the RL step).
-        `step_costs`: the rollout's measured cost of a verify step drafting k tokens over a plain step's
-        (`BanditSpeculation.step_costs`), by which the budget judges what the drafter pays."""
+        """Drafter steps within the budget `SpotBudget` gives this phase (`time_budget x rollout_seconds x share`), or
+        exactly `steps_per_phase` of them; timed (this time is added to the RL step). `step_costs`: the rollout's
+        measured cost of a verify step drafting k tokens over a plain step's (`BanditSpeculation.step_costs`), by which
+        the budget judges what the drafter pays.
+
+        One process; or several with no idle time to train in (a sharded policy's lockstep, the phase beside the
+        training step): each rank steps within its own budget, then the ranks' drafters are merged (`_merge`, which
+        every rank reaches once per phase, whatever its budget decided)."""
         policy = PolicyView.of(policy)
         stats = SpotStats()
         start = time.perf_counter()
@@ -345,8 +332,7 @@ class SpotTrainer:
         self._revise_vocab(policy, stats)
         if self.steps_per_phase is None and self.budget.skips_phase():
             stats.skipped = True
-            stats.summarize(stats._local_totals())
-            return stats
+            return self._end_budget_phase(stats, policy)
         evaluation_start = time.perf_counter()
         stats.eval_acceptance_length = self.evaluate(policy)
         if stats.eval_acceptance_length is not None:
@@ -365,10 +351,19 @@ class SpotTrainer:
                 break
             stats.steps += 1
             stats.losses.append(loss)
-        self._keep_good()
         stats.seconds_used = time.perf_counter() - start
+        return self._end_budget_phase(stats, policy)
+
+    def _end_budget_phase(self, stats: SpotStats, policy: PolicyView) -> SpotStats:
+        """A budgeted phase's end: the weights checked and kept; with several processes the ranks' drafters merged."""
+        finite = self._keep_good()
         stats.resets = self._phase_resets
-        stats.summarize(stats._local_totals())
+        if self.group is None:
+            stats.summarize(stats._local_totals())
+            return stats
+        if not finite:  # never average a non-finite drafter into the others
+            stats.steps = 0
+        self._merge(stats)
         return stats
 
     def run_while_idle(
