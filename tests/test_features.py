@@ -230,7 +230,8 @@ def test_a_spot_step_on_recorded_features_never_runs_the_policy_and_learns_the_s
 def test_features_stay_for_the_window_s_updates_and_no_longer():
     """TLT's one-step offset (`window=2`): a rollout at a newer policy version keeps the previous rollout's samples,
     their features one update old; a version two updates newer drops them (never trained on older features); samples
-    without features (rerun at training time) stay; a saved buffer restores versions, not features. Mutations: drop
+    without features (rerun at training time) stay; a saved buffer restores versions, and the features the next rollout
+    keeps (a resumed run trains on them as the uninterrupted one does). Mutations: drop
     every older version (the previous rollout never reaches training, #61's first defect) or keep every version."""
     buffer = DataBuffer(window=2)
     states = [torch.zeros(9, 2, 4) for _ in range(4)]
@@ -250,7 +251,8 @@ def test_features_stay_for_the_window_s_updates_and_no_longer():
     buffer.add([[1, 2]] * 2, [[5] * 8] * 2, states[:2], version=5)
     restored.load_state_dict(buffer.state_dict())
     assert [s.version for s in restored.samples] == [s.version for s in buffer.samples]
-    assert all(s.features is None for s in restored.samples)
+    # the newest rollout's features are saved (the next rollout keeps it), the featureless stay featureless
+    assert [s.features is not None for s in restored.samples] == [s.version == 5 for s in restored.samples]
     restored.add([[1, 2]], [[7] * 8], [torch.zeros(9, 2, 4)], version=7)
     assert {s.token_ids[2] for s in restored.samples} <= {4, 7}
 

@@ -116,8 +116,10 @@ def test_vllms_sampling_logprobs_reach_the_off_policy_mask_as_in_grpo_trainer(mo
     )
     trainer = object.__new__(TLTGRPOTrainer)
     trainer.tlt = SimpleNamespace(
-        spot_waits_for_check=lambda training, speculating: False, defer_spot_training=False, deferred_turns=None
-    )
+        spot_waits_for_check=lambda training, speculating: False, defer_spot_training=False, deferred_turns=None,
+        reads_step_features=lambda *flags: False,
+    )  # fmt: skip
+    trainer.model_wrapped = torch.nn.Linear(1, 1)
     trainer.vllm_generation = SimpleNamespace(speculating=True)
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, False
     trainer.args = SimpleNamespace(drafter_type="eagle3", vllm_mode="colocate")
@@ -131,7 +133,8 @@ def test_vllms_sampling_logprobs_reach_the_off_policy_mask_as_in_grpo_trainer(mo
 
 @pytest.mark.parametrize("case", ["passes", "faulty", "raises"])
 def test_spot_training_on_vllms_rollouts_waits_for_the_check_and_reads_its_forward(monkeypatch, tokenizer, case):
-    """vLLM returns no hidden states: spot training waits until the check of the batch has run its forward, trains
+    """`spot_feature_source="rollout"` (the stack's own default; the config's "auto" reads the training step's with
+    vLLM): vLLM returns no hidden states: spot training waits until the check of the batch has run its forward, trains
     on the states that forward recorded (no forward of its own: `rerun_samples` 0) and pushes the drafter; on a batch
     that fails the check it trains on nothing (the batch is generated again, speculation off); a batch that raises
     leaves no turns behind for a later call. Mutations caught: train at the rollout's end as before (the drafter
@@ -168,7 +171,7 @@ def test_spot_training_on_vllms_rollouts_waits_for_the_check_and_reads_its_forwa
         def sync_drafter(self):
             self.pushes += 1
 
-        def disable_speculation(self):
+        def disable_speculation(self, reason=None):
             self.speculating = False
 
     def parent(self, inputs):

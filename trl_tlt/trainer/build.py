@@ -8,6 +8,7 @@ written) and the engine's generator. With vLLM colocate the drafter is built ear
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import tempfile
 
@@ -140,7 +141,8 @@ def load_drafter_lm(path: str, processing_class) -> PreTrainedModel:
     tokens: its vocabulary covers the policy tokenizer's, and a tokenizer saved with it is the policy's. A peft
     adapter folder (LoRA and the like) trains its adapters alone."""
     try:
-        drafter_lm = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True)
+        with without_zero3_init():  # replicated on every rank, whole: never partitioned with the policy
+            drafter_lm = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True)
     except (OSError, ValueError) as error:
         raise ValueError(
             f"Cannot load the drafter LM `drafter_model_name_or_path={path!r}` (a causal LM saved with "
@@ -167,6 +169,21 @@ def load_drafter_lm(path: str, processing_class) -> PreTrainedModel:
             "drafter_type='eagle3'."
         )
     return drafter_lm
+
+
+@contextlib.contextmanager
+def without_zero3_init():
+    """Within it, transformers loads models whole even where a ZeRO-3 config is active (`zero3_init_flag`: it would load
+    them inside `deepspeed.zero.Init`, partitioned across ranks, and nothing gathers a drafter's shards before it
+    drafts). The config is restored after."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _train_adapters_only(model: torch.nn.Module) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -32,6 +30,7 @@ from ..engine.stats import GenerationStats
 from ..training.distillation import PolicyView
 from ..training.spot import SpotStats, SpotTrainer
 from ..vllm.watchdog import DrafterWatchdog
+from .drafter_writer import DrafterWriter
 from .step_features import StepFeatures
 
 
@@ -110,10 +109,13 @@ class RolloutStack:
     vllm_spec_faults: int = 0  # rollouts regenerated without speculation (vLLM's samples failed the check)
     drafter_repushes: int = 0  # drafter pushes into vLLM the watchdog made
     feature_source: str = "rollout"  # `spot_feature_source`, as configured
+    spot_stopped: bool = False  # spot training was turned off mid-run (kept across a resume)
+    speculation_off: bool = False  # vLLM's speculation was turned off mid-run (kept across a resume)
     step_features: StepFeatures | None = None  # what the training step's loss forwards recorded for the drafter
     rollout_costs: tuple[float, dict[int, float]] = (0.0, {})  # the last rollout's seconds and verify costs
-    _writer: threading.Thread | None = field(default=None, repr=False)
-    _write_error: tuple[Path, BaseException] | None = field(default=None, repr=False)
+    writer: DrafterWriter = field(
+        default_factory=DrafterWriter, repr=False
+    )  # checkpoints' drafter/, in the background
 
     @property
     def history(self) -> PromptHistory | None:
@@ -137,6 +139,7 @@ class RolloutStack:
         self._stop_spot_training()
 
     def _stop_spot_training(self) -> None:
+        self.spot_stopped = True
         if self.spot_requested:
             reason = self.fallback_reason or "a turn went through GRPOTrainer's generation"
             raise ValueError(
@@ -374,11 +377,16 @@ class RolloutStack:
             state["history"] = self.history.state_dict()
         if self.spot is not None:
             state["spot"] = self.spot.state_dict()
+        state["spot_stopped"], state["speculation_off"] = self.spot_stopped, self.speculation_off
         return state
 
     def load_state_dict(self, state: dict, streams: bool = True) -> None:
         """`streams=False`: keep this rank's own random streams (its sampling generator, its draws from the drafter's
-        buffer) as they are."""
+        buffer) as they are. What was turned off before the checkpoint (spot training, vLLM's speculation: the trainer
+        turns it off again) stays off."""
+        self.speculation_off |= bool(state.get("speculation_off", False))
+        if state.get("spot_stopped", False):
+            self.spot, self.spot_stopped = None, True
         if "generator" in state:
             self.generator.set_state(state["generator"])
         if "speculation" in state:
@@ -403,41 +411,11 @@ class RolloutStack:
         drafter = self.trainable_drafter
         if drafter is None or not write_drafter:
             return
-        save_kwargs = {}
-        if isinstance(drafter, Eagle3Model):
-            weights = {k: v.to("cpu", copy=True) for k, v in drafter.export_state_dict().items()}
-            save_kwargs["engine"] = "vllm" if drafter.exportable else "trl-tlt"
-        else:
-            weights = {k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()}
-
-        def write():
-            tmp, final = folder / f"{DRAFTER_DIR}.tmp", folder / DRAFTER_DIR
-            try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                drafter.save_pretrained(tmp, state_dict=weights, **save_kwargs)
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(tmp, final)
-            except BaseException as error:  # re-raised by join_writes, in the training thread
-                shutil.rmtree(tmp, ignore_errors=True)
-                self._write_error = (folder, error)
-
-        self.join_writes()
-        self._writer = threading.Thread(target=write, name="tlt-drafter-checkpoint")
-        self._writer.start()
+        self.writer.write(drafter, folder / DRAFTER_DIR)
 
     def join_writes(self) -> None:
-        """Wait for the background drafter write, if any; raise its error, if it failed, so that a checkpoint without
-        its drafter never passes unnoticed."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        if self._write_error is not None:
-            folder, error = self._write_error
-            self._write_error = None
-            raise RuntimeError(
-                f"Writing the drafter of {folder} failed ({type(error).__name__}: {error}); that checkpoint has no "
-                f"{DRAFTER_DIR}/ and cannot be resumed with it. The previous checkpoints are intact."
-            ) from error
+        """Wait for the background drafter write, if any; raise its error, if it failed (`DrafterWriter.join`)."""
+        self.writer.join()
 
     def load(self, folder: Path, rank: int, policy: PreTrainedModel, world_size: int = 1) -> None:
         """From a checkpoint folder: the drafter's weights, in place (the engine's drafter and spot training's

@@ -39,6 +39,7 @@ from ..training.micro_batching import (
     trimmed_logps_and_entropies,
 )
 from ..vllm.check import SampleMoments
+from ..vllm.watchdog import DrafterWatchdog
 from . import export
 from . import generation_settings as settings
 from .build import build_rollout_stack, build_vllm_generation
@@ -210,8 +211,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         """Once per rollout, on every rank (see `_generate`), training only: its turns into the prompt history, the
         drafter trained (spot training: first, while the other ranks may still generate) and pushed into vLLM, then
         vLLM's drafter watched (a sum over ranks, which ends the ranks' idle time: after spot training)."""
-        stack = self.tlt
-        turns = stack.close_rollout()
+        stack, turns = self.tlt, self.tlt.close_rollout()
         if turns is None:
             return
         # Whether the check of vLLM's samples runs: vLLM set to speculate (colocate with a drafter, not turned off; a
@@ -265,10 +265,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         """The drafter in vLLM, watched on the acceptance of every rank's turns (summed over ranks, so that every rank
         repushes, or turns speculation off, at the same rollout): a drafter that died silently in vLLM (acceptance
         collapsed against its recent level) is pushed again; if it stays collapsed, speculation is turned off."""
-        stats = [t.spec_stats for t in turns if t.spec_stats is not None]
-        steps = sum(s["verify_steps"] for s in stats)
-        accepted = sum(s["verify_steps"] * (s["mean_acceptance_length"] - 1.0) for s in stats)
-        totals = self.accelerator.reduce(torch.tensor([steps, accepted], device=self.accelerator.device), "sum")
+        local = DrafterWatchdog.verify_totals([t.spec_stats for t in turns if t.spec_stats is not None])
+        totals = self.accelerator.reduce(torch.tensor(local, device=self.accelerator.device), "sum")
         steps, accepted = totals.tolist()
         if steps == 0 or not self.vllm_generation.speculating:
             return
@@ -415,6 +413,7 @@ class TLTGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self.tlt.speculation_off = self.use_vllm and self.vllm_generation.speculation_turned_off
         self.tlt.save(folder, self.accelerator.process_index, self.args.should_save, self.accelerator.num_processes)
 
     @_parent_without_stack
@@ -425,6 +424,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         if checkpoint is not None:
             policy = self.accelerator.unwrap_model(self.model)
             self.tlt.load(Path(checkpoint), self.accelerator.process_index, policy, self.accelerator.num_processes)
+            if self.tlt.speculation_off and self.use_vllm:  # turned off before the checkpoint: off again
+                self.vllm_generation.disable_speculation("It was turned off before the checkpoint")
 
     def join_drafter_writes(self) -> None:
         """Wait for the background drafter checkpoint write; raise its error, if it failed."""

@@ -175,6 +175,11 @@ class TLTVLLMGeneration(VLLMGeneration):
         """True while vLLM speculates (colocate, a drafter configured, not turned off)."""
         return self.mode == "colocate" and self.speculative_config is not None and not self._speculation_off
 
+    @property
+    def speculation_turned_off(self) -> bool:
+        """True once `disable_speculation` ran (the trainer's checkpoints keep it)."""
+        return self._speculation_off
+
     def disable_speculation(self, reason: str | None = None) -> None:
         """No draft tokens from now on: vLLM's batch-size schedule (always set, see `speculative_config`) is
         zeroed in its scheduler; every later step samples as vLLM without speculation does. `reason`: said once, in a

@@ -45,3 +45,9 @@ class DrafterWatchdog:
             f"{1 + statistics.median(self.history):.2f}: its draft weights look wiped or stale; the drafter is pushed "
             "again."
         )
+
+    @staticmethod
+    def verify_totals(spec_stats: list[dict[str, float]]) -> list[float]:
+        """[verify steps, accepted draft tokens] over turns' acceptance stats (`TLTVLLMGeneration.spec_decode_stats`)."""
+        steps = sum(s["verify_steps"] for s in spec_stats)
+        return [steps, sum(s["verify_steps"] * (s["mean_acceptance_length"] - 1.0) for s in spec_stats)]

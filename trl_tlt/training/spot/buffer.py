@@ -152,10 +152,18 @@ class DataBuffer:
 
     def state_dict(self) -> dict:
         """The buffered sequences (a resumed run trains on what the uninterrupted one would) and the count that decides
-        which are held out."""
+        which are held out. Features are saved for the sequences the next rollout keeps (`window - 1` updates, counted
+        from the newest version held: with `window=2`, the latest rollout's), which the uninterrupted run trains on
+        again; the others', dropped at the next rollout either way, are not."""
+        versions = [s.version for s in [*self.samples, *self.held_out] if s.version is not None]
+        kept_from = max(versions) - (self.window - 2) if versions else None
 
-        def rows(samples):  # features are not saved: a resumed run drops them at its next rollout, as this one would
-            return [(s.token_ids, s.prompt_length, s.version) for s in samples]
+        def rows(samples):
+            return [
+                (s.token_ids, s.prompt_length, s.version, s.features if kept_from is not None
+                 and s.version is not None and s.version >= kept_from else None)
+                for s in samples
+            ]  # fmt: skip
 
         return {
             "num_added": self.num_added,
@@ -168,8 +176,13 @@ class DataBuffer:
         alone: the next rollouts refill it)."""
         self.num_added, self._drawn = int(state["num_added"]), True
 
-        def samples(rows):  # rows saved before features were recorded have no version
-            return [DrafterSample(list(row[0]), int(row[1]), None, row[2] if len(row) > 2 else None) for row in rows]
+        def samples(rows):  # rows saved before features were recorded have no version, before #61 no features
+            return [
+                DrafterSample(
+                    list(row[0]), int(row[1]), row[3] if len(row) > 3 else None, row[2] if len(row) > 2 else None
+                )
+                for row in rows
+            ]
 
         self.rollouts = deque(samples(r) for r in state.get("rollouts", []))
         self.held_out = samples(state.get("held_out", []))
