@@ -8,6 +8,7 @@ import torch
 
 from trl_tlt.drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from trl_tlt.engine import FixedSpeculation, SamplingParams, SpeculativeEngine
+from trl_tlt.engine.features import FeatureRecorder
 from trl_tlt.engine.kv_cache import LayerTap, RaggedKVModel
 from trl_tlt.tooling.tiny import build_tiny_model
 from trl_tlt.training.distillation import DistillConfig, DrafterSample, policy_features, recorded_features
@@ -356,3 +357,47 @@ def test_recording_stops_at_the_budget(policy):
     assert 0 < len(kept) < len(prompts) and sum(f.nbytes for f in kept) <= total // 2
     for got, expected in zip(capped.features, whole.features, strict=True):
         assert got is None or torch.equal(got, expected)
+
+
+def test_a_forward_past_the_budget_allocates_nothing_and_one_copy_moves_a_forward():
+    """#61's third defect: the recorder sizes a forward's states before it stacks any (a budget of 0 records and
+    allocates nothing: the states here refuse to be sliced), and moves the kept positions of a forward in one copy, not
+    one per row. Mutations caught: stack first, then check the size (the slice raises); a copy per row (3 copies)."""
+
+    class Unsliceable:  # what a forward's states look like to the size check, and nothing more
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def size(self, dim):
+            return self.tensor.size(dim)
+
+        def element_size(self):
+            return self.tensor.element_size()
+
+        def __getitem__(self, index):
+            raise AssertionError("the states were read past the budget")
+
+    states = {0: torch.randn(3, 5, 8), 2: torch.randn(3, 5, 8)}
+    kept = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    empty = FeatureRecorder([0, 2], num_rows=3, max_bytes=0)
+    empty.record({i: Unsliceable(t) for i, t in states.items()}, torch.arange(3), kept)
+    assert empty.stopped and empty.num_bytes == 0
+
+    copies = []
+    to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        copies.append(self.shape)
+        return to(self, *args, **kwargs)
+
+    recorder = FeatureRecorder([0, 2], num_rows=3)
+    torch.Tensor.to = counting_to
+    try:
+        recorder.record(states, torch.arange(3), kept)
+    finally:
+        torch.Tensor.to = to
+    assert len(copies) == 1
+    rows = recorder.rows([3, 2, 5])
+    for row, n in zip(rows, [3, 2, 5], strict=True):
+        assert row.shape == (n, 2, 8)
+    torch.testing.assert_close(rows[2], torch.stack([states[0][2], states[2][2]], dim=1))

@@ -7,6 +7,7 @@ completions equal GRPOTrainer's under the same launch; every rank ends with the 
 except the last test.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -250,3 +251,86 @@ def test_a_trainer_built_without_init_runs_grpotrainers_code():
     with pytest.raises(ValueError, match="rollout_func must return keys"):
         trainer._generate(["prompt"])
     trainer.rollout_func.assert_called_once()
+
+
+# ------------------------------------------------------------------------- the copies of a sharded policy's weights
+@pytest.mark.parametrize(
+    "drafter_type, source, copied",
+    [
+        ("none", "auto", ()),
+        ("ngram", "auto", ()),
+        ("eagle3", "training_step", ("input_embedding",)),  # the head drafts; its training reads the step's copy
+        ("eagle3", "rollout", ("input_embedding", "output_embedding")),  # and trains on the rollout's states
+    ],
+)
+def test_a_sharded_rollout_copies_only_what_is_read_and_lets_the_last_copies_go_first(
+    tiny_model_dirs, tmp_path, monkeypatch, drafter_type, source, copied
+):
+    """#61's second defect: a rollout of a policy sharded across processes copied its embedding and LM head whole
+    (V x H each, untied) whatever read them, and held the previous copies through the next rollout's (the peak: 2 x,
+    up to 4 x V x H). Now: only what the drafter reads, and the previous copies let go before the next are taken.
+    Measured here (the tiny untied policy, V = 320, H = 64, float32: 80 KiB a copy), the copies alive when the second
+    rollout copies: none; with the previous copies kept (the mutation) 160 KiB with the rollout's source, 80 KiB with
+    the training step's, beside the new ones (before #61 both were always copied: 160 KiB alive + 160 KiB new, the
+    4 x V x H peak). Mutations caught: copy both always (`copied` differs), keep the previous copies."""
+    import weakref
+
+    from testing_utils import train_one_step
+
+    from trl_tlt import TLTConfig
+    from trl_tlt.engine import SamplingParams
+    from trl_tlt.engine import generate as generate_module
+
+    trainer = train_one_step(
+        TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, drafter_type=drafter_type,
+        spot_feature_source=source, max_steps=1,
+    )  # fmt: skip
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    alive, seen = [], []
+    copying = generate_module.copying_policy_weights
+
+    def watching(model, names):
+        seen.append(tuple(names))
+        in_use = sum(copy().nbytes for copy in alive if copy() is not None)
+        seen.append(in_use)
+        with copying(model, names) as copies:
+            yield copies
+        alive.extend(weakref.ref(t) for t in copies.values())
+
+    monkeypatch.setattr(generate_module, "copying_policy_weights", contextlib.contextmanager(watching))
+    trainer.tlt.open_rollout()
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, eos_token_ids=())
+    for _ in range(2):
+        trainer.tlt.generate(policy, [[5, 9, 17], [3, 40]], params, 0, 3, training=True, version=1, sharded=True,
+                             record=source != "training_step")  # fmt: skip
+    if not copied:
+        assert seen == []
+        return
+    copy_bytes = policy.get_input_embeddings().weight.nbytes  # 80 KiB
+    assert seen[0] == copied and seen[2] == copied
+    assert seen[3] == 0, seen[3] / copy_bytes  # the previous copies are gone
+
+
+@NEEDS_DEEPSPEED
+def test_a_drafter_lm_loads_whole_under_an_active_zero3_config(tiny_model_dirs, tokenizer):
+    """#61's fourth defect: with the shipped `zero3` config active (transformers' `HfDeepSpeedConfig`, as a ZeRO-3
+    TrainingArguments sets it), `drafter_type="model"` loaded the drafter LM inside `deepspeed.zero.Init`: partitioned,
+    and nothing gathered it before its first draft. It loads whole now, and the config stays active for the policy.
+    Mutation caught: load without `without_zero3_init` (DeepSpeed's partitioning needs a process group it has not got
+    here, or leaves empty shards)."""
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    from trl_tlt.trainer.build import load_drafter_lm
+
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    try:
+        drafter = load_drafter_lm(tiny_model_dirs["llama"], tokenizer)
+        assert is_deepspeed_zero3_enabled()  # restored for the policy
+    finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    del config
+    assert not any(hasattr(p, "ds_id") for p in drafter.parameters())
+    assert all(p.numel() > 0 for p in drafter.parameters())

@@ -538,3 +538,28 @@ def test_vllm_spec_decode_stats_from_per_request_histograms():
     assert generation.spec_decode_stats() is None
     generation.last_outputs = [request([0, 0, 0, 0], 0)]  # speculation turned off: no verify step had a draft
     assert generation.spec_decode_stats() is None
+
+
+def test_what_was_turned_off_stays_off_after_a_resume(tiny_model_dirs, tmp_path, monkeypatch):
+    """#61's fifth defect: a checkpoint forgot that spot training had stopped and that vLLM's speculation was turned off
+    (a failed sample check, a collapsed acceptance): after a resume the faulty drafter speculated again and spot
+    training restarted. Both are in every rank's rollout state now, and the resumed trainer turns vLLM's speculation
+    off again. Mutations caught: not saved (spot training back on), not re-applied (speculation back on)."""
+    trainer = train_one_step(
+        TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path, spot_training=None, save_strategy="steps",
+        save_steps=1,
+    )  # fmt: skip
+    assert trainer.tlt.spot is not None
+    trainer.tlt._stop_spot_training()  # as the idle barrier's refusal does
+    trainer.tlt.speculation_off = True  # as `_save_checkpoint` reads vLLM's state
+    trainer.tlt.save(tmp_path / "checkpoint-9", 0, write_drafter=True)
+    trainer.tlt.join_writes()
+
+    resumed = train_one_step(TLTGRPOTrainer, TLTConfig, tiny_model_dirs["qwen2"], tmp_path / "r", max_steps=0)
+    turned_off = []
+    resumed.use_vllm = True
+    resumed.vllm_generation = type("Generation", (), {"disable_speculation": lambda self, r: turned_off.append(r)})()
+    monkeypatch.setattr(GRPOTrainer, "_load_optimizer_and_scheduler", lambda self, checkpoint: None)
+    resumed._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-9"))
+    assert resumed.tlt.spot is None and resumed.tlt.spot_stopped
+    assert turned_off and resumed.tlt.speculation_off

@@ -41,7 +41,10 @@ def test_single_process_trains_the_drafter_between_rollouts(tiny_model_dirs, tmp
     assert all(h["tlt/drafter_rerun_samples"] == 0 for h in logs) and trainer.tlt_spot.rerun_samples == 0
     buffered = trainer.tlt_spot.buffer.samples
     assert buffered and all(s.features is not None for s in buffered)
-    assert {s.version for s in buffered} == {1, 2}  # the window's rollouts: the latest and the previous (one-step offset)
+    assert {s.version for s in buffered} == {
+        1,
+        2,
+    }  # the window's rollouts: the latest and the previous (one-step offset)
 
 
 def test_the_training_step_s_forward_feeds_the_drafter(tiny_model_dirs, tmp_path):
