@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from trl_tlt.tooling.workload import (
     steps_style_fraction,
     style_reward,
 )
+from trl_tlt.tooling.workload.builds import build_checksum
 
 
 # A policy recipe small enough to build in a test (seconds).
@@ -185,3 +187,63 @@ def test_build_drift_policy_caches_the_start_policy_and_its_drafter(tmp_path):
     assert saved["num_examples"] == 64 and saved["drafter"] is None
     assert not list(tmp_path.glob("*.tmp"))
     assert build_drift_policy(recipe, cache_dir=tmp_path, verbose=False) == (policy, drafter)
+
+
+def test_the_shipped_build_is_taken_checked_and_rebuilt_on_request(tmp_path, monkeypatch, capsys, tiny_model_dirs):
+    """#64: the drift scenario's builds ship with the package: a cold cache takes them (no SFT), checked against their
+    checksums; a shipped copy that does not match is built from code instead; `rebuild=True` builds from code and says
+    whether the result equals the shipped build. The builds here are stand-ins (a saved tiny model), the builders
+    recorded. Mutations caught: skip the checksum check (the tampered copy is used), ignore `rebuild`."""
+    from safetensors.torch import load_file, save_file
+
+    from trl_tlt.tooling.workload import build_drift_policy
+    from trl_tlt.tooling.workload import builds as builds_module
+
+    recipe = DriftRecipe()
+    names = [f"drift-{recipe.key()}", f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"]
+    shipped = tmp_path / "shipped"
+    for name in names:
+        shutil.copytree(tiny_model_dirs["qwen2"], shipped / name)
+    checksums = {name: build_checksum(shipped / name) for name in names}
+    (shipped / "checksums.json").write_text(json.dumps(checksums))
+    monkeypatch.setattr(builds_module, "SHIPPED_DIR", shipped)
+    monkeypatch.setattr(builds_module, "SHIPPED_CHECKSUMS", shipped / "checksums.json")
+    built = []
+
+    def build_from_code(path, *args, **kwargs):  # as the SFT and the warm start would: the same tensors
+        built.append(path.name)
+        shutil.copytree(tiny_model_dirs["qwen2"], path)
+        return path
+
+    monkeypatch.setattr(builds_module, "_build_sft_model", build_from_code)
+    monkeypatch.setattr(
+        builds_module, "_warm_start_eagle3", lambda policy, name, *a, **k: policy.parent / name
+        if (policy.parent / name).exists() else build_from_code(policy.parent / name)
+    )  # fmt: skip
+
+    taken = build_drift_policy(recipe, cache_dir=tmp_path / "cold", verbose=False)
+    assert not built and [p.name for p in taken] == names
+    assert {p.name: build_checksum(p) for p in taken} == checksums
+
+    weights = shipped / names[0] / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({key: value + 1.0 for key, value in tensors.items()}, weights)
+    build_drift_policy(recipe, cache_dir=tmp_path / "tampered", verbose=False)
+    assert built == [names[0]] and "does not match its checksum" in capsys.readouterr().out
+    save_file(tensors, weights)
+
+    build_drift_policy(recipe, cache_dir=tmp_path / "cold", verbose=False, rebuild=True)
+    assert built == [names[0], *names]
+    assert capsys.readouterr().out.count("equals the shipped build") == 2
+
+
+def test_the_shipped_drift_builds_match_their_checksums_and_the_default_recipe():
+    """What `make demo` takes without building: the default recipe's two builds, each equal to its recorded checksum."""
+    from trl_tlt.tooling.workload import builds as builds_module
+
+    recipe = DriftRecipe()
+    names = [f"drift-{recipe.key()}", f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"]
+    checksums = json.loads(builds_module.SHIPPED_CHECKSUMS.read_text())
+    assert sorted(checksums) == sorted(names)
+    for name in names:
+        assert build_checksum(builds_module.SHIPPED_DIR / name) == checksums[name], name

@@ -52,6 +52,13 @@ def agreed_count(count: int, rows: int, device: torch.device) -> int:
     return min(int(counts[0]), -int(counts[1]))
 
 
+def is_fsdp1(model: torch.nn.Module) -> bool:
+    """Whether `model` holds FSDP1 units (`FullyShardedDataParallel`, flat parameters)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
 def needs_lockstep(model: torch.nn.Module) -> bool:
     """transformers' rule for `synced_gpus`, on what the engine runs: a sharded policy and more than one process."""
     return _world_size() > 1 and policy_is_sharded(model)
@@ -124,6 +131,13 @@ def whole_policy_weights(model: PreTrainedModel, names=WEIGHT_NAMES) -> PolicyWe
     both: every rank calls it at the same point, with the same `names`. A policy whole on each rank: its own weights."""
     from torch.distributed.tensor import DTensor
 
+    if is_fsdp1(model):
+        raise NotImplementedError(
+            "Drafter training on the training step's features needs the policy's embedding and LM head whole, which "
+            "trl-tlt gathers under FSDP2 and ZeRO-3, not FSDP1's flat parameters. Use FSDP2 (`fsdp_version: 2`, the "
+            "shipped `fsdp2` accelerate config), or spot_feature_source='rollout' (trl-tlt's engine), or "
+            "spot_training=False."
+        )
     copies: dict[str, torch.Tensor] = {}
     whole: dict[int, torch.Tensor] = {}  # by parameter: a tied LM head is copied once
     for name, module in _embedding_modules(model, names).items():

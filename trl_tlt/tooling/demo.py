@@ -1,8 +1,8 @@
 """The main job (`make demo`): GRPO with TLTGRPOTrainer on the embedded workload, built offline, next to TRL's own.
 
-Builds (or reuses from the cache) the drift scenario of `trl_tlt.tooling.workload` (`build_drift_policy`: a policy
-trained by SFT on solutions in two styles, writing the second in about a quarter of its samples, and its warm-start
-EAGLE-3 drafter); GRPO under `style_reward` (1 for a correct answer, times 1.5 in the "Step 1: 7+13=20" style) moves the policy
+Takes the drift scenario of `trl_tlt.tooling.workload` (`build_drift_policy`: a policy trained by SFT on solutions in
+two styles, writing the second in about a quarter of its samples, and its warm-start EAGLE-3 drafter) as shipped with
+the package, checked against its checksums (`--rebuild` builds both from code instead, deterministically); GRPO under `style_reward` (1 for a correct answer, times 1.5 in the "Step 1: 7+13=20" style) moves the policy
 to that style while the reward rises, so a drafter frozen at the start goes stale. Then:
 
 1. runs GRPO with `TLTGRPOTrainer` (EAGLE-3 drafter trained online between rollouts with `TLTConfig`'s defaults;
@@ -16,6 +16,7 @@ to that style while the reward rises, so a drafter frozen at the start goes stal
    vs GRPO); exports the drafter and prints how to serve it with vLLM. Nothing is downloaded.
 
     python -m trl_tlt.tooling.demo [--steps 30] [--scenario drift|embedded] [--output-dir DIR] [--plots-dir DIR] [--no-baseline]
+        [--rebuild]
 
 `--scenario embedded` runs the embedded policy under its accuracy reward instead (little drift: adaptive and frozen
 drafters stay equal).
@@ -77,6 +78,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--cache-dir", default=None, help="Policy cache (default: $TRL_TLT_CACHE or ~/.cache/trl_tlt)."
     )
+    parser.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="Build the drift scenario's policy and head from code (16 minutes on 2 cores) instead of taking the "
+        "shipped ones, and compare their checksums with the shipped builds'.",
+    )
     parser.add_argument("--policy", default=None, help="A policy directory to use instead of the embedded one.")
     parser.add_argument(
         "--drafter", default=None, help="With --policy: its EAGLE-3 drafter (default: a new head, trained online)."
@@ -97,7 +104,9 @@ def main(argv=None) -> dict:
     if args.policy:
         policy_path, drafter_path = args.policy, args.drafter
     elif args.scenario == "drift":
-        policy_path, drafter_path = (str(p) for p in build_drift_policy(cache_dir=args.cache_dir))
+        policy_path, drafter_path = (
+            str(p) for p in build_drift_policy(cache_dir=args.cache_dir, rebuild=args.rebuild)
+        )
     else:
         policy_path = str(build_policy(cache_dir=args.cache_dir))
         drafter_path = str(build_eagle3_drafter(cache_dir=args.cache_dir))

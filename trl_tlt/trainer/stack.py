@@ -330,13 +330,14 @@ class RolloutStack:
             self.step_features = StepFeatures(self.spot.feature_layers(policy), max(budget, 0), version)
         return self.step_features
 
-    def reads_step_features(self, use_vllm: bool, vllm_speculating: bool, lockstep: bool) -> bool:
+    def reads_step_features(self, use_vllm: bool, vllm_speculating: bool, lockstep: bool, fsdp1: bool = False) -> bool:
         """Whether spot training reads the training step's features (`spot_feature_source`; "auto": where the engine
-        records nothing, vLLM, or lockstep leaves no idle time), alike on every rank."""
+        records nothing, vLLM, or lockstep leaves no idle time, but FSDP1, whose flat parameters the phase cannot
+        gather whole: the rollout's then, within the time budget), alike on every rank."""
         if self.spot is None or not vllm_speculating:
             return False
         if self.feature_source == "auto":
-            return use_vllm or lockstep
+            return use_vllm or (lockstep and not fsdp1)
         return self.feature_source == "training_step"
 
     def train_drafter_on_step(self, policy: PreTrainedModel, version: int, sharded: bool) -> SpotStats:

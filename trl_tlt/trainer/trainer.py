@@ -31,7 +31,7 @@ from .._swap import swapped
 from ..config import TLTConfig, as_tlt_config
 from ..engine.features import SequenceFeatures
 from ..engine.kv_cache import ragged_cache_mismatch
-from ..engine.sharding import agreed_count, needs_lockstep, policy_is_sharded
+from ..engine.sharding import agreed_count, is_fsdp1, needs_lockstep, policy_is_sharded
 from ..training.micro_batching import (
     group_by_length,
     regroups_micro_batches,
@@ -259,7 +259,8 @@ class TLTGRPOTrainer(GRPOTrainer):
     def _drafter_trains_on_step(self) -> bool:
         """Whether spot training reads the training step's features (`spot_feature_source`), on every rank alike."""
         speculating = not self.use_vllm or self.vllm_generation.speculating
-        return self.tlt.reads_step_features(self.use_vllm, speculating, needs_lockstep(self.model_wrapped))
+        lockstep = needs_lockstep(self.model_wrapped)
+        return self.tlt.reads_step_features(self.use_vllm, speculating, lockstep, lockstep and is_fsdp1(self.model))
 
     def _watch_vllm_drafter(self, turns: list[RolloutTurn]) -> None:
         """The drafter in vLLM, watched on the acceptance of every rank's turns (summed over ranks, so that every rank

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -413,20 +414,72 @@ class DriftRecipe:
         )
 
 
+# Builds shipped with the package (the drift scenario's start policy and head: 16 minutes of SFT on a 2-core CPU
+# without AVX-512, the same on every machine), by cache name, with the checksums they were built with.
+SHIPPED_DIR = Path(__file__).with_name("shipped")
+SHIPPED_CHECKSUMS = SHIPPED_DIR / "checksums.json"
+
+
+def shipped_checksum(name: str) -> str | None:
+    """The checksum (`build_checksum`) of the build `name` as shipped, None if it is not shipped."""
+    if not SHIPPED_CHECKSUMS.is_file():
+        return None
+    return json.loads(SHIPPED_CHECKSUMS.read_text()).get(name)
+
+
+def _from_shipped(path: Path, verbose: bool) -> bool:
+    """Copy the shipped build of `path`'s name into the cache at `path`, checked against its checksum (a copy that does
+    not match is removed: the build is then made from code). Returns whether it did."""
+    source, expected = SHIPPED_DIR / path.name, shipped_checksum(path.name)
+    if expected is None or not (source / "config.json").is_file():
+        return False
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    if build_checksum(tmp) != expected:
+        shutil.rmtree(tmp)
+        print(f"the shipped {path.name} does not match its checksum {expected}: building it from code", flush=True)
+        return False
+    tmp.rename(path)
+    if verbose:
+        print(f"{path.name}: the shipped build ({expected}), checked", flush=True)
+    return True
+
+
+def _check_rebuild(path: Path) -> None:
+    """Say whether a build made from code (`rebuild=True`) equals the shipped one: its checksum against theirs."""
+    expected, built = shipped_checksum(path.name), build_checksum(path)
+    if expected is None:
+        return
+    verdict = "equals the shipped build" if built == expected else f"differs from the shipped build ({expected})"
+    print(f"{path.name} rebuilt from code: {built}, {verdict}", flush=True)
+
+
 def build_drift_policy(
-    recipe: DriftRecipe | None = None, cache_dir: str | Path | None = None, verbose: bool = True
+    recipe: DriftRecipe | None = None, cache_dir: str | Path | None = None, verbose: bool = True, rebuild: bool = False
 ) -> tuple[Path, Path]:
     """The drift scenario (cached): its start policy and that policy's warm-start EAGLE-3 drafter.
 
     Returns `(policy_dir, drafter_dir)`. Train it with GRPO under `style_reward` (log `steps_style_fraction` beside
     it): the reward rises as the policy writes its solutions in the "steps" style, and a drafter frozen at the
-    start goes stale.
+    start goes stale. The default recipe's builds ship with the package (`SHIPPED_DIR`, checked against their
+    checksums); `rebuild=True` makes them from code instead, into the cache, and compares them with the shipped ones.
     """
     recipe = recipe or DriftRecipe()
-    path = Path(cache_dir or default_cache_dir()) / f"drift-{recipe.key()}"
-    if not (path / "config.json").exists():
+    root = Path(cache_dir or default_cache_dir())
+    path = root / f"drift-{recipe.key()}"
+    name = f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"
+    if rebuild:
+        for folder in (path, root / name):
+            shutil.rmtree(folder, ignore_errors=True)
+    if not (path / "config.json").exists() and (rebuild or not _from_shipped(path, verbose)):
         tokenizer = build_policy_tokenizer(recipe.policy)
         schedule, saved = (recipe.batch_size, recipe.learning_rate), dataclasses.replace(recipe, drafter=None)
         _build_sft_model(path, tokenizer, recipe.policy, recipe.sft_dataset(), schedule, recipe.seed, saved, verbose)
-    name = f"eagle3-drift-{recipe.key()}-{recipe.drafter.key()}"
-    return path, _warm_start_eagle3(path, name, recipe.drafter, verbose, sft=recipe.policy)
+    if not (root / name / "config.json").exists() and not rebuild:
+        _from_shipped(root / name, verbose)
+    drafter = _warm_start_eagle3(path, name, recipe.drafter, verbose, sft=recipe.policy)
+    if rebuild:
+        _check_rebuild(path)
+        _check_rebuild(drafter)
+    return path, drafter
