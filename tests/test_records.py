@@ -57,6 +57,21 @@ def test_readme_bold_figures_name_their_record():
     assert not unlinked, f"bold figures without a record link: {unlinked}"
 
 
+def first_screen_problems(text: str, lines: int = 70) -> list[str]:
+    """What README's first screen lacks of a user's first questions: install, the swap, a multi-GPU launch."""
+    screen = "\n".join(text.splitlines()[:lines])
+    wanted = {"install": "pip install", "the swap": "TLTGRPOTrainer(", "a multi-GPU launch": "accelerate launch"}
+    return [name for name, snippet in wanted.items() if snippet not in screen]
+
+
+def test_readme_s_first_screen_shows_install_the_swap_and_a_multi_gpu_launch():
+    """#64. Negative control: the launch moved below the results table (where it was) is caught."""
+    text = (ROOT / "README.md").read_text()
+    assert not first_screen_problems(text)
+    launch = text[text.index("## Launch it your way") : text.index("## What to expect")]
+    assert first_screen_problems(text.replace(launch, "") + launch) == ["a multi-GPU launch"]
+
+
 @pytest.mark.parametrize("edit", ["figure", "key"])
 def test_the_figure_check_fails_on_an_edited_copy(edit):
     """Negative control: a copy of README with one quoted figure (or its key) changed fails the check."""
