@@ -97,15 +97,24 @@ def test_self_drafter_accepts_everything(tokenizer):
         assert stats.num_accepted_tokens_per_pos[0] == stats.num_drafts
 
 
+TOPK = SamplingParams(temperature=0.7, top_k=5, max_new_tokens=3)
+TOPP_PENALTY = SamplingParams(temperature=1.3, top_p=0.6, max_new_tokens=3, repetition_penalty=1.3)
+SLOW = (
+    pytest.mark.slow
+)  # the rest of the grid: CI's second stage (each drafter and each setting stays in the default run)
+
+
 @pytest.mark.parametrize(
-    "params",
+    ("drafter_name", "params"),
     [
-        SamplingParams(temperature=0.7, top_k=5, max_new_tokens=3),
-        SamplingParams(temperature=1.3, top_p=0.6, max_new_tokens=3, repetition_penalty=1.3),
+        pytest.param("model", TOPK, id="model-temp0.7-topk5"),  # with the negative control
+        pytest.param("model", TOPP_PENALTY, id="model-temp1.3-topp0.6-rep1.3", marks=SLOW),
+        pytest.param("deterministic", TOPK, id="deterministic-temp0.7-topk5"),
+        pytest.param("deterministic", TOPP_PENALTY, id="deterministic-temp1.3-topp0.6-rep1.3", marks=SLOW),
+        pytest.param("eagle3", TOPK, id="eagle3-temp0.7-topk5", marks=SLOW),
+        pytest.param("eagle3", TOPP_PENALTY, id="eagle3-temp1.3-topp0.6-rep1.3"),
     ],
-    ids=["temp0.7-topk5", "temp1.3-topp0.6-rep1.3"],
 )
-@pytest.mark.parametrize("drafter_name", ["model", "deterministic", "eagle3"])
 def test_speculative_sampling_reproduces_policy_distribution(tokenizer, params, drafter_name):
     # Token 1 comes from the prefill; tokens 2-3 from one speculative step (the budget leaves room for 1 draft).
     model, expected, drafter = sampling_case(tokenizer, params, drafter_name, length=3)

@@ -69,7 +69,14 @@ def faulty_drafter(fault, model, tokenizer):
     return FaultyDrafter(peaked_model(tokenizer, noise=0.3), model.config.vocab_size, fault)
 
 
-@pytest.mark.parametrize("fault", FAULTS)
+# 8,000 samples each: two faults in the default run (a row dropped, a point mass), the others in CI's second stage; all
+# five are checked greedily in the default run (below).
+SAMPLED_FAULTS = [
+    fault if fault in ("nan_q", "point_mass") else pytest.param(fault, marks=pytest.mark.slow) for fault in FAULTS
+]
+
+
+@pytest.mark.parametrize("fault", SAMPLED_FAULTS)
 def test_broken_proposals_leave_sampling_exact(tokenizer, fault):
     """Chi-square of 3-token completions against the exact distribution, with every fault (8,000 samples)."""
     model = peaked_model(tokenizer)

@@ -200,6 +200,7 @@ def test_the_repository_root_does_not_shadow_hugging_faces_kernels(tmp_path, spe
     assert (not os.path.realpath(path).startswith(os.path.realpath(root))) == hf_installed, out.stdout
 
 
+@pytest.mark.slow  # a script for GPUs, through the interpreter: CI's second stage
 def test_micro_benchmark_script_runs(tmp_path):
     """scripts/gpu/bench_kernels.py (meant for a GPU) runs end to end through the interpreter and checks tokens."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
