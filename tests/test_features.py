@@ -256,6 +256,11 @@ def test_features_stay_for_the_window_s_updates_and_no_longer():
     assert [s.features is not None for s in restored.samples] == [s.version == 5 for s in restored.samples]
     restored.add([[1, 2]], [[7] * 8], [torch.zeros(9, 2, 4)], version=7)
     assert {s.token_ids[2] for s in restored.samples} <= {4, 7}
+    # two optimizer steps a rollout (num_iterations=2, or two per generation batch): the window counts rollouts
+    per_two = DataBuffer(window=2, updates_per_rollout=2)
+    per_two.add([[1, 2]] * 4, [[3] * 8] * 4, states, version=0)
+    per_two.add([[1, 2]] * 4, [[6] * 8] * 4, states, version=2)
+    assert {s.token_ids[2] for s in [*per_two.samples, *per_two.held_out]} == {3, 6}
 
 
 def test_a_phase_the_budget_skips_buffers_nothing_and_stale_features_go_without_a_new_rollout(policy):

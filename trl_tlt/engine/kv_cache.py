@@ -111,9 +111,14 @@ class LayerTap:
         if model not in self._checked:
             every = tuple(range(self.num_layers + 1))
             ids = torch.arange(6, device=model.device)[None] % model.config.get_text_config().vocab_size
-            reference = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
-            with self.capture(every) as states:
-                model(input_ids=ids, logits_to_keep=1)
+            training = model.training  # in eval mode: dropout would make the two forwards differ
+            model.eval()
+            try:
+                reference = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
+                with self.capture(every) as states:
+                    model(input_ids=ids, logits_to_keep=1)
+            finally:
+                model.train(training)
             self._checked[model] = len(reference) == len(every) and all(
                 i in states and torch.allclose(states[i], reference[i], rtol=1e-4, atol=1e-5) for i in every
             )

@@ -265,7 +265,14 @@ def build_spot_trainer(args: TLTConfig, drafter, accelerator, use_vllm: bool) ->
     bf16 = args.spot_precision == "bf16" or (args.spot_precision == "auto" and has_bf16_matrix_units(drafter.device))
     return SpotTrainer(
         drafter,
-        DataBuffer(args.spot_buffer_steps, args.spot_buffer_max_tokens, args.spot_buffer_max_memory_mb << 20),
+        DataBuffer(
+            args.spot_buffer_steps,
+            args.spot_buffer_max_tokens,
+            args.spot_buffer_max_memory_mb << 20,
+            updates_per_rollout=-(
+                -args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
+            ),
+        ),  # fmt: skip
         schedule=SpotSchedule(learning_rate=args.spot_learning_rate, cold_steps=cold_steps),
         tokens_per_step=args.spot_tokens_per_step,
         config=DistillConfig(ttt_length=args.drafter_ttt_length),

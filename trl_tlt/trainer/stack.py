@@ -24,7 +24,7 @@ from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from ..drafters.model import ModelDrafter
 from ..engine import Drafter, FixedSpeculation, GenerationOutput, SamplingParams, SpeculationPolicy, SpeculativeEngine
 from ..engine.features import SequenceFeatures
-from ..engine.sharding import PolicyWeights, whole_policy_weights
+from ..engine.sharding import PolicyWeights, is_fsdp1, needs_lockstep, whole_policy_weights
 from ..engine.speculation import BanditSpeculation, dominant_bucket
 from ..engine.stats import GenerationStats
 from ..training.distillation import PolicyView
@@ -191,7 +191,8 @@ class RolloutStack:
         copied = ()
         if sharded:
             self.release_policy_weights()  # never two copies alive at once
-            reads_embedding = isinstance(self.trainable_drafter, Eagle3Model) and drafter is not None
+            # an EAGLE-3 head embeds with the policy's embedding, drafting or training on the states recorded here
+            reads_embedding = isinstance(self.trainable_drafter, Eagle3Model) and (drafter is not None or record)
             copied = ("input_embedding",) * reads_embedding + ("output_embedding",) * record
         layers, budget = None, None
         if record:
@@ -264,12 +265,16 @@ class RolloutStack:
         """What drafter training reads of a policy sharded across processes: the LM head the rollouts copied (never the
         policy, whose forward is a collective); None where none was copied yet (with one warning)."""
         if self.policy_weights is None:
+            if not self.spot.wants_features:  # a phase the time budget skips: nothing was to be recorded
+                return None
             logger.warning_once(
                 "Spot training with a policy sharded across processes trains the drafter on the hidden states "
                 "trl-tlt's engine records in a rollout; this rank's rollouts recorded none yet (vLLM or a "
                 "rollout_func generated them): the drafter does not train on them."
             )
             return None
+        if isinstance(self.trainable_drafter, Eagle3Model):  # its training embeds with the copy, never the shard
+            self.trainable_drafter.use_policy_weights(self.policy_weights)
         return PolicyView(self.policy_weights.output_embedding, config)
 
     def verify_costs(self, turns: list[RolloutTurn]) -> dict[int, float]:
@@ -303,15 +308,14 @@ class RolloutStack:
                     turn.features.clear()
         else:  # nothing new: what the buffer holds of an older policy goes all the same
             spot.buffer.drop_stale(version)
-        if spot.group is None or (lockstep and policy is not None and not self.spot_refused):
-            # one process (or no idle time): within the time budget, which the rollout's seconds set
-            if policy is None:  # a sharded policy no rollout copied yet: nothing to train with
-                return None
-            self.last_spot = spot.run_between_rollouts(policy, sum(t.seconds for t in turns), self.verify_costs(turns))
-            return self.last_spot
-        # several: while the other ranks still generate, then the merge
         refused, self.spot_refused = self.spot_refused, False
-        self.last_spot = spot.run_while_idle(policy, refuse=refused)
+        if spot.group is None or lockstep:
+            # one process (or no idle time): within the time budget, which the rollout's seconds set; a rank without
+            # an LM head (a sharded policy none of whose rollouts copied one) trains nothing, and joins the merge
+            seconds, costs = sum(t.seconds for t in turns), self.verify_costs(turns)
+            self.last_spot = spot.run_between_rollouts(policy, seconds, costs, refuse=refused)
+        else:  # several: while the other ranks still generate, then the merge
+            self.last_spot = spot.run_while_idle(policy, refuse=refused)
         if self.last_spot.refused:  # every rank learned it at the idle barrier: every rank stops alike
             self._stop_spot_training()
             return None
@@ -330,14 +334,15 @@ class RolloutStack:
             self.step_features = StepFeatures(self.spot.feature_layers(policy), max(budget, 0), version)
         return self.step_features
 
-    def reads_step_features(self, use_vllm: bool, vllm_speculating: bool, lockstep: bool, fsdp1: bool = False) -> bool:
+    def reads_step_features(self, use_vllm: bool, vllm_speculating: bool, model: torch.nn.Module) -> bool:
         """Whether spot training reads the training step's features (`spot_feature_source`; "auto": where the engine
-        records nothing, vLLM, or lockstep leaves no idle time, but FSDP1, whose flat parameters the phase cannot
-        gather whole: the rollout's then, within the time budget), alike on every rank."""
+        records nothing, vLLM, or lockstep leaves no idle time, but not under FSDP1, whose flat parameters the phase
+        cannot gather whole: the rollout's there, within the time budget), alike on every rank."""
         if self.spot is None or not vllm_speculating:
             return False
-        if self.feature_source == "auto":
-            return use_vllm or (lockstep and not fsdp1)
+        if self.feature_source == "auto":  # `model`: the trainer's, wrapped for its launch
+            lockstep = needs_lockstep(model)
+            return (use_vllm or lockstep) and not (lockstep and is_fsdp1(model))
         return self.feature_source == "training_step"
 
     def train_drafter_on_step(self, policy: PreTrainedModel, version: int, sharded: bool) -> SpotStats:
@@ -348,14 +353,16 @@ class RolloutStack:
         rerun); a `sharded` policy's embedding and LM head are gathered whole for it (a collective every rank joins
         here), then let go."""
         recorded, self.step_features = self.step_features, None
+        self.spot_refused = False  # a turn through GRPOTrainer's generation: its training step records all the same
         if recorded is not None:
             self.spot.observe_rollout(recorded.prompts, recorded.completions, recorded.features, recorded.version)
         else:
             self.spot.buffer.drop_stale(version)
         head_weight = policy.get_output_embeddings().weight
         if sharded:
-            weights = whole_policy_weights(policy)
-            if isinstance(self.trainable_drafter, Eagle3Model):
+            eagle = isinstance(self.trainable_drafter, Eagle3Model)  # it embeds with the policy's embedding
+            weights = whole_policy_weights(policy, ("input_embedding",) * eagle + ("output_embedding",))
+            if eagle:
                 self.trainable_drafter.use_policy_weights(weights)
             head_weight = weights.output_embedding
         seconds, costs = self.rollout_costs

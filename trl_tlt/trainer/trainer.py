@@ -31,7 +31,7 @@ from .._swap import swapped
 from ..config import TLTConfig, as_tlt_config
 from ..engine.features import SequenceFeatures
 from ..engine.kv_cache import ragged_cache_mismatch
-from ..engine.sharding import agreed_count, is_fsdp1, needs_lockstep, policy_is_sharded
+from ..engine.sharding import agreed_count, needs_lockstep, policy_is_sharded
 from ..training.micro_batching import (
     group_by_length,
     regroups_micro_batches,
@@ -239,7 +239,8 @@ class TLTGRPOTrainer(GRPOTrainer):
             spot = self._train_drafter(turns)
         if spot is not None:
             self._log(spot_metrics(spot, self.tlt.spot))
-        if spot is not None and self.use_vllm:
+        # Beside the training step vLLM may be asleep (sleep mode): the drafter goes in after the next policy sync.
+        if spot is not None and self.use_vllm and turns is not None:
             with profiling_context(self, "tlt.sync_drafter"):
                 self.vllm_generation.sync_drafter()
 
@@ -259,8 +260,7 @@ class TLTGRPOTrainer(GRPOTrainer):
     def _drafter_trains_on_step(self) -> bool:
         """Whether spot training reads the training step's features (`spot_feature_source`), on every rank alike."""
         speculating = not self.use_vllm or self.vllm_generation.speculating
-        lockstep = needs_lockstep(self.model_wrapped)
-        return self.tlt.reads_step_features(self.use_vllm, speculating, lockstep, lockstep and is_fsdp1(self.model))
+        return self.tlt.reads_step_features(self.use_vllm, speculating, self.model_wrapped)
 
     def _watch_vllm_drafter(self, turns: list[RolloutTurn]) -> None:
         """The drafter in vLLM, watched on the acceptance of every rank's turns (summed over ranks, so that every rank
@@ -362,13 +362,13 @@ class TLTGRPOTrainer(GRPOTrainer):
                 model, ids, mask, keep, chunk_size, compute_entropy, compute_aux_loss, **multimodal
             )
 
-        if self.args.micro_batching == "padded" or any(value is not None for value in multimodal.values()):
+        lockstep = self.args.micro_batching != "padded" and needs_lockstep(self.model_wrapped)
+        agree = functools.partial(agreed_count, device=input_ids.device) if lockstep else None
+        images = any(value is not None for value in multimodal.values())  # TRL's layout (on every rank, if sharded)
+        if self.args.micro_batching == "padded" or (agree(int(images), 1) > 0 if agree else images):
             return forward(input_ids, attention_mask, logits_to_keep, batch_size)
         # An aux loss is averaged per chunk: keep TRL's chunks (trim only); otherwise rows are independent.
         split = split_tokens_for(input_ids.device, self.args.micro_batching_split_tokens)
-        agree = (
-            functools.partial(agreed_count, device=input_ids.device) if needs_lockstep(self.model_wrapped) else None
-        )
         return trimmed_logps_and_entropies(
             forward, input_ids, attention_mask, logits_to_keep, batch_size, not compute_aux_loss, split, agree
         )

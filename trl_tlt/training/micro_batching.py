@@ -4,12 +4,13 @@ TRL's GRPOTrainer pads a whole generation batch to its longest completion, shuff
 `steps_per_generation` micro-batches; every forward over completions (the loss, and the old / reference log-prob
 passes) then costs as if every row were as long as the tail. Two exact remedies:
 
-- **Trim.** A forward over rows whose completions end before column L needs only the first L completion columns:
-  the model is causal, so dropping trailing columns changes no earlier position, and the dropped positions are
-  masked in every loss. `trimmed_logps_and_entropies` runs each chunk of rows at its own longest completion and
-  pads the outputs back (with zeros, under the mask), so the loss sees the tensors it always saw. In the no-grad
-  log-prob passes, rows are sorted by length before chunking, so each chunk is short or long, not both. The number
-  of forwards per call is TRL's (`ceil(rows / batch_size)`), so ZeRO-3 / FSDP ranks still gather in lockstep.
+- **Trim and cut.** A forward over rows whose completions end before column L needs only the first L completion
+  columns: the model is causal, so dropping trailing columns changes no earlier position, and the dropped positions
+  are masked in every loss. `trimmed_logps_and_entropies` sorts the rows by length, cuts them into sub-chunks
+  (`length_sorted_chunks`: where a cut saves more padded positions than a forward costs), runs each at its own longest
+  completion and puts the outputs back in the rows' order, padded back with zeros under the mask, so the loss sees the
+  tensors it always saw. Under FSDP / ZeRO-3 (each forward gathers parameters) the ranks agree on the count of
+  forwards per call (`with_count`), so they still gather in lockstep.
 - **Group.** Sorting the rows of one optimizer step (the micro-batches accumulated together) by length before
   dealing them into equal-size micro-batches (`group_by_length`) leaves the loss exactly unchanged for the loss
   types whose per-micro-batch normalisation is a function of the row count only (see `REGROUPABLE_LOSS_TYPES`).

@@ -34,16 +34,25 @@ class DataBuffer:
     sequences' included.
 
     Features are the policy's as it was at its rollout (or its training step). A sequence stays while its features are
-    at most `window - 1` policy updates old (TLT's one-step offset: with `window=2`, the previous rollout's, one update
-    old, beside the current one's), and leaves after: `add` with a newer `version` drops the older ones.
+    at most `window - 1` rollouts old (TLT's one-step offset: with `window=2`, the previous rollout's beside the current
+    one's), and leaves after: `add` with a newer `version` drops the older ones.
 
     Args:
         window: Rollouts kept (TLT's one-step offset: 2 = the current and the previous rollout).
         max_tokens: Memory budget in tokens (8 bytes each); the oldest sequences go first when it is exceeded.
         max_feature_bytes: Memory budget of the features; likewise.
+        updates_per_rollout: Policy updates (versions) between two rollouts (GRPOTrainer's optimizer steps per
+            generation batch, `num_iterations` included): the window's age limit in versions is
+            `(window - 1) x updates_per_rollout`.
     """
 
-    def __init__(self, window: int = 2, max_tokens: int = 262_144, max_feature_bytes: int = 4 << 30):
+    def __init__(
+        self,
+        window: int = 2,
+        max_tokens: int = 262_144,
+        max_feature_bytes: int = 4 << 30,
+        updates_per_rollout: int = 1,
+    ):
         if window < 1:
             raise ValueError(f"`window` must be >= 1, got {window}.")
         if max_tokens < 1:
@@ -51,6 +60,8 @@ class DataBuffer:
         if max_feature_bytes < 0:
             raise ValueError(f"`max_feature_bytes` must be >= 0, got {max_feature_bytes}.")
         self.window, self.max_tokens, self.max_feature_bytes = window, max_tokens, max_feature_bytes
+        self.updates_per_rollout = max(updates_per_rollout, 1)
+        self.max_age = (window - 1) * self.updates_per_rollout  # in versions
         self.rollouts: deque[list[DrafterSample]] = deque()
         self.held_out: list[DrafterSample] = []  # of the latest rollout only: "recent"
         self.num_added = 0
@@ -116,11 +127,11 @@ class DataBuffer:
         return dropped
 
     def drop_stale(self, version: int | None) -> None:
-        """Drop the sequences whose features the policy computed more than `window - 1` updates before `version` (None:
-        nothing to compare): the window's older rollouts stay, their features one update old each."""
+        """Drop the sequences whose features the policy computed more than `max_age` updates before `version` (None:
+        nothing to compare): the window's older rollouts stay, their features one rollout's updates old each."""
         if version is None:
             return
-        oldest = version - (self.window - 1)
+        oldest = version - self.max_age
         for rollout in (*self.rollouts, self.held_out):
             rollout[:] = [s for s in rollout if s.version is None or s.version >= oldest]
 
@@ -152,11 +163,12 @@ class DataBuffer:
 
     def state_dict(self) -> dict:
         """The buffered sequences (a resumed run trains on what the uninterrupted one would) and the count that decides
-        which are held out. Features are saved for the sequences the next rollout keeps (`window - 1` updates, counted
-        from the newest version held: with `window=2`, the latest rollout's), which the uninterrupted run trains on
-        again; the others', dropped at the next rollout either way, are not."""
+        which are held out. Features are saved for the sequences the next rollout keeps (with `window=2`, the latest
+        rollout's), which the uninterrupted run trains on again; the others', dropped at the next rollout either way,
+        are not."""
         versions = [s.version for s in [*self.samples, *self.held_out] if s.version is not None]
-        kept_from = max(versions) - (self.window - 2) if versions else None
+        # the next rollout comes `updates_per_rollout` versions after the newest held
+        kept_from = max(versions) + self.updates_per_rollout - self.max_age if versions else None
 
         def rows(samples):
             return [

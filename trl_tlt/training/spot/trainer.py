@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 
 import torch
-import torch.distributed as dist
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
@@ -24,6 +22,7 @@ from ..distillation import (
     sample_features,
 )
 from .buffer import DataBuffer, take_tokens
+from .peers import Peers
 from .precision import autocast, flushing_denormals
 from .schedule import SpotBudget, SpotSchedule, acceptance_length, expected_speedup
 from .stats import SpotStats
@@ -78,6 +77,7 @@ class SpotTrainer:
         autocast_dtype: torch.dtype | None = None,
     ):
         self.drafter, self.buffer, self.group = drafter, buffer, group
+        self.peers = Peers(group) if group is not None else None
         self.autocast_dtype = autocast_dtype
         self.schedule = schedule or SpotSchedule()
         self.budget = budget or SpotBudget()
@@ -99,7 +99,7 @@ class SpotTrainer:
         self.agreement: list[float] = []  # the latest evaluation's top-1 agreement per draft position
         self._rollout_counts: torch.Tensor | None = None  # token counts of the rollouts since the last revision
         if group is not None:
-            self._broadcast_from_first_rank()
+            self.peers.broadcast_from_first(self.params)
         self._good = [p.detach().clone() for p in self.params]  # the last weights known to be finite
 
     @property
@@ -267,8 +267,7 @@ class SpotTrainer:
         counts = local
         if self.group is not None:  # every rank sums, with zeros where it saw no rollout: the same collectives
             counts = torch.zeros(self.vocab.vocab_size, dtype=torch.float64) if local is None else local.clone()
-            with self._peers("the sum of the ranks' token counts"):
-                dist.all_reduce(counts, group=self.group)
+            self.peers.all_reduce(counts, "the sum of the ranks' token counts")
         if counts is None or not counts.any():  # nothing seen (on any rank): nothing to fit or revise
             return
         if wait:
@@ -314,25 +313,46 @@ class SpotTrainer:
         return self.budget.credit > 0 and self.budget.credit >= (self._step_seconds or 0.0)
 
     def run_between_rollouts(
-        self, policy: PreTrainedModel | PolicyView, rollout_seconds: float = 0.0, step_costs: dict | None = None
+        self, policy: PreTrainedModel | PolicyView | None, rollout_seconds: float = 0.0,
+        step_costs: dict | None = None, refuse: bool = False,
     ) -> SpotStats:  # fmt: skip
         """Drafter steps within the budget `SpotBudget` gives this phase (`time_budget x rollout_seconds x share`), or
         exactly `steps_per_phase` of them; timed (this time is added to the RL step). `step_costs`: the rollout's
         measured cost of a verify step drafting k tokens over a plain step's (`BanditSpeculation.step_costs`), by which
-        the budget judges what the drafter pays.
+        the budget judges what the drafter pays. `policy` None: no LM head to train with here (a sharded policy whose
+        rollout copied none): the phase trains nothing, and still counts a phase the budget skips.
 
         One process; or several with no idle time to train in (a sharded policy's lockstep, the phase beside the
-        training step): each rank steps within its own budget, then the ranks' drafters are merged (`_merge`, which
-        every rank reaches once per phase, whatever its budget decided)."""
-        policy = PolicyView.of(policy)
+        training step): every rank first agrees on `refuse` and on whether any rank lacks an LM head (one all-reduce,
+        as `run_while_idle`'s barrier), then steps within its own budget; the ranks' drafters are then merged (`_merge`,
+        which every rank reaches once per phase, whatever its budget decided). A refusal on any rank ends the phase
+        on every rank with `stats.refused`, each drafter back to the last merged one."""
+        view = None if policy is None else PolicyView.of(policy)
         stats = SpotStats()
         start = time.perf_counter()
         self._phase_resets = 0
         self.check_weights()
-        self._revise_vocab(policy, stats)
+        without_head = view is None
+        if self.group is not None:
+            flags = torch.tensor([float(refuse), float(view is None)], dtype=torch.float64)
+            self.peers.all_reduce(flags, "the agreement before a phase (a refusal, a rank without an LM head)")
+            refused, without = flags.tolist()
+            if refused:
+                self._back_to_good()
+                stats.refused = True
+                return stats
+            without_head = without > 0
+        self._revise_vocab(view, stats, wait=without_head)
         if self.steps_per_phase is None and self.budget.skips_phase():
             stats.skipped = True
-            return self._end_budget_phase(stats, policy)
+            return self._end_budget_phase(stats)
+        if view is not None:
+            self._budgeted_steps(view, stats, rollout_seconds, step_costs)
+        stats.seconds_used = time.perf_counter() - start
+        return self._end_budget_phase(stats)
+
+    def _budgeted_steps(self, policy: PolicyView, stats: SpotStats, rollout_seconds: float, step_costs) -> None:
+        """The phase's evaluation, then its drafter steps, within the budget (or exactly `steps_per_phase`)."""
         evaluation_start = time.perf_counter()
         stats.eval_acceptance_length = self.evaluate(policy)
         if stats.eval_acceptance_length is not None:
@@ -351,10 +371,8 @@ class SpotTrainer:
                 break
             stats.steps += 1
             stats.losses.append(loss)
-        stats.seconds_used = time.perf_counter() - start
-        return self._end_budget_phase(stats, policy)
 
-    def _end_budget_phase(self, stats: SpotStats, policy: PolicyView) -> SpotStats:
+    def _end_budget_phase(self, stats: SpotStats) -> SpotStats:
         """A budgeted phase's end: the weights checked and kept; with several processes the ranks' drafters merged."""
         finite = self._keep_good()
         stats.resets = self._phase_resets
@@ -365,6 +383,12 @@ class SpotTrainer:
             stats.steps = 0
         self._merge(stats)
         return stats
+
+    @torch.no_grad()
+    def _back_to_good(self) -> None:
+        """Every drafter back to the weights the ranks last agreed on."""
+        for good, p in zip(self._good, self.params, strict=True):
+            p.copy_(good)
 
     def run_while_idle(
         self, policy: PreTrainedModel | PolicyView | None, refuse: bool = False
@@ -390,7 +414,7 @@ class SpotTrainer:
                 stats.losses.append(loss)
             stats.seconds_used = time.perf_counter() - start
         flags = torch.tensor([float(refuse), float(view is None)], dtype=torch.float64)
-        barrier = dist.all_reduce(flags, group=self.group, async_op=True)
+        barrier = self.peers.all_reduce(flags, "the idle barrier", async_op=True)
         done = barrier.is_completed
         if self.steps_per_phase is None and view is not None and not done() and self.buffer.samples:
             stats.eval_acceptance_length = self.evaluate(view, preempt=done)
@@ -402,14 +426,12 @@ class SpotTrainer:
                     stats.steps += 1
                     stats.losses.append(loss)
             stats.seconds_used = time.perf_counter() - start
-        with self._peers("the idle barrier (waiting for the other ranks' rollouts)"):
+        with self.peers.answering("the idle barrier (waiting for the other ranks' rollouts)"):
             barrier.wait()
         stats.idle_seconds = time.perf_counter() - start
         refused, without_head = flags.tolist()
         if refused:  # no merge: every rank back to the drafter they last agreed on
-            with torch.no_grad():
-                for good, p in zip(self._good, self.params, strict=True):
-                    p.copy_(good)
+            self._back_to_good()
             stats.refused = True
             return stats
         if not self.check_weights():  # never average a non-finite drafter into the others
@@ -423,40 +445,13 @@ class SpotTrainer:
     def _merge(self, stats: SpotStats) -> None:
         """Sum the ranks' statistics; if any rank trained, average the drafters weighted by the steps each took."""
         totals = torch.tensor(stats._local_totals(), dtype=torch.float64)
-        with self._peers("the merge of the ranks' drafters"):
-            dist.all_reduce(totals, group=self.group)
+        self.peers.all_reduce(totals, "the merge of the ranks' drafters")
         stats.summarize(totals.tolist())
-        total_steps = stats.summary["steps"]
-        if total_steps == 0:
+        if stats.summary["steps"] == 0:
             return
-        flat = torch.cat([p.detach().float().cpu().reshape(-1) for p in self.params]) * (stats.steps / total_steps)
-        with self._peers("the merge of the ranks' drafters"):
-            dist.all_reduce(flat, group=self.group)
-        for p, merged in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
-            p.copy_(merged.view_as(p))
+        self.peers.average(self.params, stats.steps / stats.summary["steps"])
         for good, p in zip(self._good, self.params, strict=True):
             good.copy_(p)
-
-    @torch.no_grad()
-    def _broadcast_from_first_rank(self) -> None:
-        for p in self.params:
-            buf = p.detach().cpu().clone()
-            with self._peers("the first rank's broadcast of the initial drafter"):
-                dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
-            p.copy_(buf.to(p.device))
-
-    @contextlib.contextmanager
-    def _peers(self, phase: str):
-        """A collective with the other ranks: if one of them died or hangs (the group's timeout, the trainer's
-        `ddp_timeout`), an error naming this rank and the phase, never a wait forever."""
-        try:
-            yield
-        except RuntimeError as error:  # gloo: connection closed by a dead peer, or timed out
-            raise RuntimeError(
-                f"Spot training, {phase}: rank {dist.get_rank()} got no answer from the other ranks ({error}). One of "
-                "them died or hangs (the wait is bounded by `ddp_timeout`). Resume from the last checkpoint (its "
-                "drafter/ folder holds the drafter)."
-            ) from error
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
