@@ -3,20 +3,25 @@
 training phase pays for the padding of the longest completion. Each part writes its keys into one JSON (`--output`,
 merged with what is there), on the same machine:
 
-- `one`: both trainers, `--steps` steps of 8 prompts x 4 at T = 1, `--max-new-tokens` tokens at most, ONE micro-batch
-  per optimizer step (`per_device_train_batch_size` = the generation batch, 32 rows): the training phase of a step (its
+- `one`: both trainers (each in a process of its own), `--steps` steps of 8 prompts x 4 at T = 1, `--max-new-tokens`
+  tokens at most, ONE micro-batch per optimizer step (`per_device_train_batch_size` = the generation batch, 32 rows): the training phase of a step (its
   seconds minus its rollout's) and its median ratio, GRPO's over TLT's (`training_phase_ratio`).
 - `four`: the same with 4 micro-batches of 8 rows per optimizer step (`training_phase_ratio_4_micro_batches`).
 - `memory`: one generation batch of the policy's samples (8 x 4 at T = 1), one loss forward and backward over it in
-  TRL's layout (one padded forward) and in TLT's (length-sorted sub-chunks): the activations autograd keeps for the
-  backward (bytes, every saved tensor's storage counted once) and the seconds, 3 repeats each, alternated.
+  TRL's layout (one padded forward) and in TLT's (length-sorted sub-chunks): the seconds (3 repeats each, alternated,
+  medians) and the activations autograd keeps for the backward (bytes, every saved tensor's storage counted once, in
+  a pass of its own).
 
     pip install -e ".[real-model]"
     python scripts/bench/bench_training_phase.py --parts memory one four --output docs/benchmarks/training_phase_real_cpu.json
 """
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 from trl_tlt.tooling.benchmarks import run_parts  # first: the Hugging Face libraries offline
@@ -41,14 +46,28 @@ def training_phases(run: dict) -> list[float]:
     return [step - rollout for step, rollout in zip(run["step_seconds"], run["rollout_seconds"], strict=True)]
 
 
-def compare(args, micro_batch: int, suffix: str) -> dict:
+def one_run(args) -> None:
+    """`--run KIND`: one trainer's run, in a process of its own, into `--run-output`."""
     path, steps = real_regime_policy_path(), argparse.Namespace(steps=args.steps)
-    runs = {
-        kind: run_trainer(
-            kind, steps, None, path=path, num_prompts=PROMPTS, completion=args.max_new_tokens, micro_batch=micro_batch
-        )  # fmt: skip
-        for kind in ("grpo", "tlt")
-    }
+    result = run_trainer(
+        args.run, steps, None, path=path, num_prompts=PROMPTS, completion=args.max_new_tokens,
+        micro_batch=args.micro_batch,
+    )  # fmt: skip
+    with open(args.run_output, "w") as f:
+        json.dump(result, f)
+
+
+def compare(args, micro_batch: int, suffix: str) -> dict:
+    """Both trainers, each in a fresh process (the same memory state at its start: within one process the second run
+    inherits the first's allocations), GRPOTrainer first."""
+    real_regime_policy_path()  # built once, before the runs
+    runs = {}
+    for kind in ("grpo", "tlt"):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [sys.executable, __file__, "--run", kind, "--micro-batch", str(micro_batch), "--steps",
+                       str(args.steps), "--max-new-tokens", str(args.max_new_tokens), "--run-output", out.name]  # fmt: skip
+            subprocess.run(command, check=True)
+            runs[kind] = json.loads(open(out.name).read())
     for run in runs.values():
         run["training_phase_seconds"] = training_phases(run)
 
@@ -89,35 +108,41 @@ def part_memory(args) -> dict:
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):  # GRPOTrainer's layout
         ids[i, width_p - len(p) : width_p + len(c)] = torch.tensor(p + c)
         mask[i, width_p - len(p) : width_p + len(c)] = 1
-    add_fused_lm_head(policy)
+    add_fused_lm_head(policy, outputs=("log_probs", "entropy"))  # as GRPOTrainer's loss forward computes them
     policy.train()
 
     def forward(input_ids, attention_mask, keep, chunk_size=None):  # GRPOTrainer's forward over completions
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-keep] = -100
         out = policy(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
-        return out.log_probs[:, -keep:], None, None
+        return out.log_probs[:, -keep:], out.entropy[:, -keep:], None
 
     layouts = {
-        "trl": lambda: forward(ids, mask, width_c)[0],
-        "tlt": lambda: trimmed_logps_and_entropies(forward, ids, mask, width_c, None, True, SPLIT_TOKENS["cpu"])[0],
+        "trl": lambda: forward(ids, mask, width_c),
+        "tlt": lambda: trimmed_logps_and_entropies(forward, ids, mask, width_c, None, True, SPLIT_TOKENS["cpu"]),
     }
+
+    def loss_and_backward(name):
+        policy.zero_grad(set_to_none=True)
+        logps, entropies, _ = layouts[name]()
+        ((logps + 0.01 * entropies) * mask[:, width_p:]).sum().backward()
+
     saved, seconds = {}, {name: [] for name in layouts}
-    for _ in range(3):
-        for name, run in layouts.items():
-            storages = {}
-
-            def pack(tensor, storages=storages):
-                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-                return tensor
-
-            policy.zero_grad(set_to_none=True)
+    for _ in range(3):  # timed without hooks, alternated
+        for name in layouts:
             start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                logps = run()
-            (logps * mask[:, width_p:]).sum().backward()
+            loss_and_backward(name)
             seconds[name].append(time.perf_counter() - start)
-            saved[name] = sum(storages.values())
+    for name in layouts:  # the activations autograd keeps: every saved tensor's storage, once
+        storages = {}
+
+        def pack(tensor, storages=storages):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss_and_backward(name)
+        saved[name] = sum(storages.values())
     lengths = [len(c) for c in completions]
     return {
         "memory": {"rows": len(prompts), "prompt_width": width_p, "completion_lengths": lengths, "seconds": seconds},
@@ -138,8 +163,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="one, four: GRPO steps per run.")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--output", default=None, help="JSON to write (its keys from other parts are kept).")
+    parser.add_argument("--run", choices=["grpo", "tlt"], default=None, help=argparse.SUPPRESS)  # one run (a child)
+    parser.add_argument("--micro-batch", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-output", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.run:
+        one_run(args)
+        return
     run_parts("training_phase_real", PARTS, args.parts, args, args.output)
 
 
