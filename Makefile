@@ -30,8 +30,10 @@ $(VENV_VLLM)/.installed: pyproject.toml requirements/ci-vllm.txt
 demo: $(VENV)/.installed
 	$(PY) -m trl_tlt.tooling.demo
 
+# Two pytest workers, one thread each (tests/conftest.py): the tiny models' tests are mostly Python, which one process
+# runs on one core at a time.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # CI's second stage: the tests marked `slow` (multi-process launches, heavier statistics); fails when none ran.
 test-slow: $(VENV)/.installed

@@ -32,6 +32,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Under pytest-xdist (`make test` runs 2 workers on CI's 2 cores) each worker computes on one thread: two processes of
+# two threads each would oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 from trl_tlt.tooling.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 
 
