@@ -297,6 +297,8 @@ INVALID_CONFIGS = [
     ({"draft_vocab_size": 0}, "draft_vocab_size"),
     ({"history_max_tokens": -1}, "history_max_tokens"),
     ({"spot_precision": "half"}, "spot_precision"),
+    ({"spot_feature_source": "both"}, "spot_feature_source"),
+    ({"micro_batching_split_tokens": -1}, "micro_batching_split_tokens"),
 ]
 
 
