@@ -51,18 +51,16 @@ VARIANTS = {  # TLTConfig fields of each run (the rest: defaults)
 }
 
 
-def held_out_acceptance(trainer, prompts: list[list[int]], max_new_tokens: int) -> float:
+def held_out_acceptance(policy, drafter, eos: int, prompts: list[list[int]], max_new_tokens: int) -> float:
     """The trained head's acceptance length on held-out prompts: k = 6 at every step, T = 1, the trained policy."""
-    from trl_tlt.drafters.eagle3 import Eagle3Drafter
-
-    policy = trainer.accelerator.unwrap_model(trainer.model).eval()
-    eos = trainer.processing_class.eos_token_id
-    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, eos_token_ids=(eos,))
-    report = evaluate_acceptance(policy, Eagle3Drafter(trainer.tlt_drafter.model), prompts, params, k=6, seed=0)
+    params = SamplingParams(temperature=1.0, do_sample=True, max_new_tokens=max_new_tokens, eos_token_ids=(eos,))
+    report = evaluate_acceptance(policy.eval(), drafter, prompts, params, k=6, seed=0)
     return report["mean_acceptance_length"]
 
 
-def run(policy_path: str, config, dataset, rewards, held_out, max_new_tokens: int) -> dict:
+def run(policy_path: str, config, dataset, rewards, held_out, max_new_tokens: int) -> dict | None:
+    """One TLTGRPOTrainer run and its head's held-out acceptance (None on ranks other than 0 of a sharded run, where
+    rank 0 evaluates on the policy gathered whole)."""
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     trainer = TLTGRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(policy_path), reward_funcs=rewards, args=config,
@@ -71,9 +69,16 @@ def run(policy_path: str, config, dataset, rewards, held_out, max_new_tokens: in
     times = step_timer()
     trainer.add_callback(times)
     trainer.train()
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    if trainer.accelerator.num_processes > 1:  # every rank joins the gather; rank 0 holds the policy whole
+        state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+        if not trainer.accelerator.is_main_process:
+            return None
+        policy = AutoModelForCausalLM.from_pretrained(policy_path)
+        policy.load_state_dict(state)
     logs = [h for h in trainer.state.log_history if "reward" in h]
     seconds = sum(h.get("tlt/spot_seconds", 0.0) for h in logs)
-    acceptance = held_out_acceptance(trainer, held_out, max_new_tokens)
+    acceptance = held_out_acceptance(policy, trainer.tlt_drafter, tokenizer.eos_token_id, held_out, max_new_tokens)
     result = {
         "drafter_seconds": seconds,
         "drafter_steps": trainer.tlt_spot.total_steps,
@@ -87,12 +92,13 @@ def run(policy_path: str, config, dataset, rewards, held_out, max_new_tokens: in
     return result
 
 
-def drift_setting(steps: int, prompts: int = 8):
+def drift_setting(steps: int):
+    """The policy, held-out prompts, rewards and dataset (the same for every run: 8 prompts a step globally)."""
     policy_path = str(build_drift_policy()[0])
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     held_out = prompt_token_ids(tokenizer, make_dataset(32, seed=999)["prompt"])
     rewards = drift_rewards()
-    dataset = make_dataset(prompts * steps * 2, seed=2024)
+    dataset = make_dataset(8 * steps * 2, seed=2024)
     return policy_path, held_out, rewards, dataset
 
 
@@ -144,13 +150,13 @@ def worker(args) -> None:
     from trl_tlt.tooling.sharding import sharded_at_the_seam
 
     torch.set_num_threads(1)
-    policy_path, held_out, rewards, dataset = drift_setting(args.steps, prompts=4)
+    policy_path, held_out, rewards, dataset = drift_setting(args.steps)
     with tempfile.TemporaryDirectory() as out:
         extra = {}
         sharded_at_the_seam("fsdp2", extra)
         config = drift_config(out, args.steps, 4, {}, ddp_timeout=1800, **extra)
         result = run(policy_path, config, dataset, rewards["reward_funcs"], held_out, 512)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if result is not None:
         with open(args.worker, "w") as f:
             json.dump(result, f)
 
@@ -184,7 +190,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args)
-        return
+        # As tests/_matrix_run.py: the process groups torn down, then out without interpreter shutdown (gloo's threads
+        # can race it and abort the process after the report was written).
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
     torch.set_num_threads(2)
     run_parts("feature_sources", PARTS, args.parts, args, args.output)
 
