@@ -99,7 +99,7 @@ def run_parts(benchmark: str, parts: dict[str, Callable], names: list[str], args
         values[f"{name}_part_seconds"] = time.perf_counter() - start
         print({k: v for k, v in values.items() if not isinstance(v, dict)})
         result.update(values)
-    write_json(result, path)
+        write_json(result, path)  # after each part: a later part's failure keeps what the earlier ones measured
 
 
 def bootstrap_interval(
