@@ -8,8 +8,8 @@ default. Each part writes its keys into one JSON (`--output`, merged with what i
   tokens, `style_reward`, learning rate 1e-4), `--steps` steps.
 - `real`: the real-regime SmolLM2 policy (`trl_tlt.tooling.real_model`), 8 prompts x 4 at T = 1, 256 tokens.
 - `sharded`: the drift policy under FSDP2 on 2 gloo processes (4 prompts x 8 each) against one process (8 x 8), the
-  same prompts and defaults: `sharded_acceptance_ratio`, the FSDP2 head's held-out acceptance over the one-process
-  head's.
+  same prompts, every default: `sharded_acceptance_ratio`, the FSDP2 head's held-out acceptance over the one-process
+  head's. The defaults differ in source ("auto": the training step's under FSDP2, the rollout's in one process).
 
 Per run: the drafter's seconds (`tlt/spot_seconds` summed), its steps, the step's median seconds, and the head's
 held-out acceptance length at the end (k = 6 at every step, T = 1, 32 held-out prompts, the trained policy);
@@ -76,8 +76,11 @@ def run(policy_path: str, config, dataset, rewards, held_out, max_new_tokens: in
             return None
         policy = AutoModelForCausalLM.from_pretrained(policy_path)
         policy.load_state_dict(state)
+        # the head embeds with the policy's embedding module, here still the trained policy's shard: the whole one's
+        object.__setattr__(trainer.tlt_drafter.model, "embed_tokens", policy.get_input_embeddings())
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    seconds = sum(h.get("tlt/spot_seconds", 0.0) for h in logs)
+    # one process: `tlt/spot_seconds`; several: `tlt/idle_seconds_used` (the ranks' mean), the other 0 (docs/metrics.md)
+    seconds = sum(h.get("tlt/spot_seconds", 0.0) + h.get("tlt/idle_seconds_used", 0.0) for h in logs)
     acceptance = held_out_acceptance(policy, trainer.tlt_drafter, tokenizer.eos_token_id, held_out, max_new_tokens)
     result = {
         "drafter_seconds": seconds,
@@ -167,7 +170,7 @@ def part_sharded(args) -> dict:
         one = run(policy_path, drift_config(out, args.steps, 8, {}), dataset, rewards["reward_funcs"], held_out, 512)
     with tempfile.TemporaryDirectory() as out:
         report = os.path.join(out, "fsdp2.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__,
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
                    "--steps", str(args.steps), "--worker", report]  # fmt: skip
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         with open(report) as f:
@@ -192,8 +195,10 @@ def main() -> None:
         worker(args)
         # As tests/_matrix_run.py: the process groups torn down, then out without interpreter shutdown (gloo's threads
         # can race it and abort the process after the report was written).
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0)
     torch.set_num_threads(2)
     run_parts("feature_sources", PARTS, args.parts, args, args.output)
