@@ -48,6 +48,7 @@ def main(policy_dir: str, drafter_dir: str, output_dir: str) -> None:
             processing_class=tokenizer,
         )
     trainer.train()
+    trainer.vllm_generation.sync_weights()  # the next policy sync pushes the drafter trained beside the last step
     assert_draft_model_equals(trainer.vllm_generation.model_runner.get_draft_model(), trainer.tlt_drafter.model)
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.tlt_spot.params]).double()
     report = {

@@ -55,6 +55,9 @@ def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenize
     assert trainer.tlt_spot.rerun_samples == 0 and all(log["tlt/drafter_rerun_samples"] == 0 for log in logs[:2])
     assert trainer.tlt_spot.buffer.feature_bytes > 0
     assert not torch.equal(initial["fc.weight"], head.fc.weight)
+    # The drafter trained beside the last step goes into vLLM with the next policy sync (docs/spot.md): the sync the
+    # next rollout would make, which pushes the policy and then the drafter.
+    trainer.vllm_generation.sync_weights()
     draft = trainer.vllm_generation.model_runner.get_draft_model()
     assert_draft_model_equals(draft, head)
     assert draft.lm_head is not trainer.vllm_generation.model_runner.get_model().lm_head
@@ -67,7 +70,6 @@ def test_grpo_with_vllm_colocate_and_online_eagle3_drafter(rule_policy, tokenize
     assert not any("failed the check" in r.getMessage() or "disagree" in r.getMessage() for r in caplog.records)
 
     # Greedy: vLLM (policy and drafter pushed) and the PyTorch engine emit the same tokens.
-    trainer.vllm_generation.sync_weights()
     policy = trainer.accelerator.unwrap_model(trainer.model).eval()
     held_out = rule_sequences(8, 4, g).tolist()
     greedy = SamplingParams(do_sample=False, max_new_tokens=16, eos_token_ids=())
@@ -126,6 +128,7 @@ def run_one_step(drafter_type: str, policy_dir: str, drafter_lm_dir: str, output
     if drafter_type == "model":
         drafter = trainer.tlt_drafter.model
         assert trainer.tlt_spot.total_steps == 1
+        trainer.vllm_generation.sync_weights()  # the next policy sync pushes the drafter trained beside the step
         draft_params, ours = dict(runner.get_draft_model().named_parameters()), dict(drafter.named_parameters())
         for name in ("model.norm.weight", "model.embed_tokens.weight"):
             assert torch.equal(draft_params[name], ours[name]), name
