@@ -71,7 +71,7 @@ def compare(args, micro_batch: int, suffix: str) -> dict:
             command = [sys.executable, __file__, "--run", kind, "--micro-batch", str(micro_batch), "--steps",
                        str(args.steps), "--max-new-tokens", str(args.max_new_tokens), "--run-output", out.name]  # fmt: skip
             subprocess.run(command, check=True)
-            runs[kind] = json.loads(open(out.name).read())
+            runs[kind] = json.load(out)  # the child wrote the file by its name; this handle reads it from the start
     for run in runs.values():
         run["training_phase_seconds"] = training_phases(run)
 
