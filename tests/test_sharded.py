@@ -154,11 +154,13 @@ def test_training_phase_cuts_each_rank_s_rows_into_as_many_forwards(policy_dir, 
     config = {"max_steps": 3, "max_completion_length": 12, "optim": "sgd"}
     common = {"model_dir": policy_dir, "sharding": sharding, "completion_lengths_by_rank": [[12], [2, 3, 4, 12]]}
     grpo = run_matrix(tmp_path, "grpo", trainer="grpo", config=config, **common)
-    # The rollout's features: with the training step's (the default under lockstep), this ZeRO-3 run fails in a
-    # backward ("The size of tensor a (0) must match the size of tensor b (64)"), an open #61 defect; FSDP2 passes.
-    tlt_config = {**config, "micro_batching_split_tokens": 0, "spot_feature_source": "rollout"}
-    tlt = run_matrix(tmp_path, "tlt", config=tlt_config, **common)
+    # The drafter's data from the training step (the default under lockstep), and drafter steps in each phase (a
+    # policy gathered for each, after DeepSpeed's optimizer step). Before #61's fix, the check of the layer tap ran its
+    # two forwards inside the first loss computation, and under ZeRO-3 that first backward failed ("The size of tensor
+    # a (0) must match the size of tensor b (64)").
+    tlt = run_matrix(tmp_path, "tlt", config={**config, **SPOT, "micro_batching_split_tokens": 0}, **common)
     assert_same_training(tlt, grpo, tmp_path, "tlt", "grpo")
+    assert all(r["drafter_steps"] > 0 and r["drafter_rerun_samples"] == 0 for r in tlt)
 
 
 @pytest.mark.slow

@@ -103,6 +103,11 @@ class LayerTap:
 
     _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> whether its hooks give its states
 
+    @classmethod
+    def checked(cls, model: PreTrainedModel) -> bool:
+        """Whether `model`'s one-time check (`_matches`, two short forwards at construction) has run."""
+        return model in cls._checked
+
     @torch.no_grad()
     def _matches(self, model: PreTrainedModel) -> bool:
         """Whether the hooks see what `output_hidden_states` reports, on one short forward (once per model): a model
