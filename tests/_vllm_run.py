@@ -1,6 +1,8 @@
 """Helper of tests/test_vllm_colocate.py (not a test): TLT GRPO with vLLM colocate and spot training, per rank.
 
-torchrun --nproc_per_node 2 tests/_vllm_run.py POLICY_DIR DRAFTER_DIR OUTPUT_DIR
+torchrun --nproc_per_node 2 tests/_vllm_run.py POLICY_DIR DRAFTER_DIR OUTPUT_DIR [fsdp2]
+
+With `fsdp2`, the trainer's policy is sharded by FSDP2 (`sharded_at_the_seam`) beside each rank's whole vLLM copy.
 """
 
 import functools
@@ -25,20 +27,25 @@ from testing_utils import assert_draft_model_equals, rule_sequences  # noqa: E40
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer  # noqa: E402
+from trl_tlt.engine.sharding import policy_is_sharded  # noqa: E402
+from trl_tlt.tooling.sharding import sharded_at_the_seam  # noqa: E402
 
 
-def main(policy_dir: str, drafter_dir: str, output_dir: str) -> None:
+def main(policy_dir: str, drafter_dir: str, output_dir: str, sharding: str | None = None) -> None:
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     g = torch.Generator().manual_seed(1)
     dataset = Dataset.from_dict({"prompt": [tokenizer.decode(p) for p in rule_sequences(16, 4, g).tolist()]})
-    args = TLTConfig(
+    config = dict(
         output_dir=output_dir, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=12, max_steps=2, temperature=1.0,
         drafter_model_name_or_path=drafter_dir, num_speculative_tokens=3, spot_training=True,
         spot_learning_rate=1e-3, report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
         seed=0, disable_tqdm=True,
     )  # fmt: skip
+    if sharding is not None:
+        sharded_at_the_seam(sharding, config)
+    args = TLTConfig(**config)
     with mock.patch("trl.generation.vllm_generation.LLM", functools.partial(vllm.LLM, dtype="float32")):
         trainer = TLTGRPOTrainer(
             model=policy_dir,
@@ -53,6 +60,8 @@ def main(policy_dir: str, drafter_dir: str, output_dir: str) -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.tlt_spot.params]).double()
     report = {
         "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "policy_sharded": policy_is_sharded(trainer.model_wrapped),
         "global_step": trainer.state.global_step,
         "drafter_sum": float(flat.sum()),
         "spot_steps": trainer.tlt_spot.total_steps,
@@ -65,4 +74,4 @@ def main(policy_dir: str, drafter_dir: str, output_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

