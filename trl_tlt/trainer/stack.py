@@ -24,6 +24,7 @@ from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from ..drafters.model import ModelDrafter
 from ..engine import Drafter, FixedSpeculation, GenerationOutput, SamplingParams, SpeculationPolicy, SpeculativeEngine
 from ..engine.features import SequenceFeatures
+from ..engine.kv_cache import LayerTap
 from ..engine.sharding import PolicyWeights, is_fsdp1, needs_lockstep, whole_policy_weights
 from ..engine.speculation import BanditSpeculation, dominant_bucket
 from ..engine.stats import GenerationStats
@@ -322,16 +323,24 @@ class RolloutStack:
         return self.last_spot
 
     # ------------------------------------------------------------------------ the training step's features
-    def step_recorder(self, policy: PreTrainedModel, version: int) -> StepFeatures | None:
+    def step_recorder(self, policy: PreTrainedModel, version: int, generation_context) -> StepFeatures | None:
         """Where the loss forwards of the current generation batch record the drafter's data (`StepFeatures`), made at
         its first micro-batch, within what the buffer's memory cap leaves once the features older than `version` are
-        dropped; None where spot training reads none now (off, or a phase the time budget skips)."""
+        dropped; None where spot training reads none now (off, or a phase the time budget skips).
+
+        The layer tap's one-time check (two short forwards) runs first, in `generation_context` (GRPOTrainer's, which
+        gathers a ZeRO-3 policy), as generation's forwards do: inside the loss computation, over a partitioned ZeRO-3
+        policy, those forwards broke the first backward on DeepSpeed's CPU accelerator."""
         if self.spot is None or not self.spot.wants_features:
             return None
         if self.step_features is None:
             self.spot.buffer.drop_stale(version)
             budget = self.spot.buffer.max_feature_bytes - self.spot.buffer.feature_bytes
-            self.step_features = StepFeatures(self.spot.feature_layers(policy), max(budget, 0), version)
+            layers = self.spot.feature_layers(policy)
+            if not LayerTap.checked(policy):
+                with generation_context():
+                    LayerTap(policy, layers)
+            self.step_features = StepFeatures(layers, max(budget, 0), version)
         return self.step_features
 
     def reads_step_features(self, use_vllm: bool, vllm_speculating: bool, model: torch.nn.Module) -> bool:

@@ -30,7 +30,7 @@ from trl.trainer import grpo_trainer
 from .._swap import swapped
 from ..config import TLTConfig, as_tlt_config
 from ..engine.features import SequenceFeatures
-from ..engine.kv_cache import LayerTap, ragged_cache_mismatch
+from ..engine.kv_cache import ragged_cache_mismatch
 from ..engine.sharding import agreed_count, needs_lockstep, policy_is_sharded
 from ..training.micro_batching import (
     group_by_length,
@@ -380,13 +380,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         first_pass = self._step // self.args.steps_per_generation % self.num_iterations == 0
         policy, recorder = self.accelerator.unwrap_model(self.model), None
         if self.model.training and first_pass and self._drafter_trains_on_step():
-            recorder = self.tlt.step_recorder(policy, self.state.global_step)
-            if not LayerTap.checked(policy):
-                # The tap's one-time check runs two short forwards: in GRPOTrainer's generation context (which gathers
-                # a ZeRO-3 policy), as generation's forwards run. Run here with the parameters partitioned, they left the
-                # first backward failing under ZeRO-3 on DeepSpeed's CPU accelerator (#61).
-                with self._unwrapped_for_generation():
-                    LayerTap(policy, recorder.layers)
+            recorder = self.tlt.step_recorder(policy, self.state.global_step, self._unwrapped_for_generation)
         with recorder.recording(policy, inputs) if recorder is not None else nullcontext():
             return super()._compute_loss(model, inputs)
 
