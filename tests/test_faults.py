@@ -282,7 +282,6 @@ INVALID_CONFIGS = [
     ({"micro_batching": "packed"}, "micro_batching"),
     ({"selector_epsilon": 1.5}, "selector_epsilon"),
     ({"spot_training": True, "drafter_type": "ngram"}, "spot_training"),
-    ({"spot_training": True, "use_vllm": True, "vllm_mode": "server"}, "spot_training"),
     ({"vllm_speculative_max_batch_size": -1}, "vllm_speculative_max_batch_size"),
     ({"vllm_draft_sample_method": "argmax"}, "vllm_draft_sample_method"),
     ({"spot_buffer_steps": 0}, "spot_buffer_steps"),

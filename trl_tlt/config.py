@@ -102,8 +102,10 @@ class TLTConfig(GRPOConfig):
             several processes, each rank trains while its own rollouts are done and other ranks still generate,
             and the ranks' drafters are merged before the next rollout; with one process, drafter steps run between
             rollouts within `spot_time_budget` (their time is reported as `tlt/spot_seconds`). `None`: on whenever the
-            drafter has weights and the trainer holds it (trl-tlt's engine or vLLM colocate), off otherwise. `True`
-            with `drafter_type="ngram"` / `"none"` or vLLM server mode raises.
+            drafter has weights and the trainer holds it (trl-tlt's engine, vLLM colocate, or a vLLM server that
+            speculates with a draft model the trainer pushes it into: `trl-tlt vllm-serve`, docs/server.md), off
+            otherwise. `True` with `drafter_type="ngram"` / `"none"`, or with a server that has no such draft model,
+            raises.
         spot_feature_source (`str`, *optional*, defaults to `"auto"`):
             Where spot training's data, the policy's hidden states at the layers the drafter reads, comes from.
             `"rollout"`: the forwards of trl-tlt's engine record them as it generates; the drafter trains at the
@@ -264,12 +266,6 @@ class TLTConfig(GRPOConfig):
             raise ValueError(
                 f"`spot_training=True` trains the drafter, and drafter_type={self.drafter_type!r} has no weights; set "
                 "drafter_type='eagle3' (or 'model') or spot_training=False."
-            )
-        if self.spot_training and self.use_vllm and self.vllm_mode == "server":
-            raise ValueError(
-                "`spot_training=True` needs the drafter in the trainer's own process: a `trl vllm-serve` server cannot "
-                "receive live drafter updates. Use vllm_mode='colocate', or serve a fixed drafter (`trl vllm-serve "
-                "--speculative_config ...`, see docs/vllm.md) with spot_training=False."
             )
         if self.vllm_speculative_max_batch_size < 0:
             raise ValueError(

@@ -1,7 +1,9 @@
-"""The `trl-tlt` command: `grpo`, `train-drafter` and `accelerate-config`.
+"""The `trl-tlt` command: `grpo`, `train-drafter`, `vllm-serve` and `accelerate-config`.
 
 `trl-tlt grpo`: TRL's GRPO script with `TLTGRPOTrainer`, in TRL's style (dataclass arguments, YAML, `TrlParser`).
 `trl-tlt train-drafter`: warm-start a drafter before RL (`trl_tlt.tooling.warm_start`; `trl-tlt train-drafter --help`).
+`trl-tlt vllm-serve`: TRL's `trl vllm-serve`, speculating with the drafter a server-mode trainer trains and pushes
+(`trl_tlt.tooling.serve`; docs/server.md).
 
     trl-tlt grpo --config recipe.yaml
     accelerate launch --config_file $(trl-tlt accelerate-config zero3) -m trl_tlt.tooling.cli grpo --config recipe.yaml
@@ -125,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = (
         "usage: trl-tlt grpo [--config recipe.yaml] [ARGS] | trl-tlt train-drafter --policy P --output DIR [ARGS] "
-        "| trl-tlt accelerate-config {" + ",".join(sorted(p.stem for p in ACCELERATE_CONFIGS.glob("*.yaml"))) + "}"
+        "| trl-tlt vllm-serve --model P [ARGS] | trl-tlt accelerate-config {"
+        + ",".join(sorted(p.stem for p in ACCELERATE_CONFIGS.glob("*.yaml")))
+        + "}"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage + "\n\n" + __doc__)
@@ -137,6 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         from .warm_start import main as train_drafter
 
         train_drafter(rest)
+    elif command == "vllm-serve":
+        from .serve import main as vllm_serve
+
+        vllm_serve(rest)
     elif command == "accelerate-config":
         path = ACCELERATE_CONFIGS / f"{rest[0] if rest else ''}.yaml"
         if not rest or not path.exists():

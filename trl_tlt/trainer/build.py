@@ -62,8 +62,8 @@ def build_rollout_stack(
     speculation = build_speculation(args, drafter, hybrid, policy)
     model = drafter_model(drafter)
     spot_on = args.spot_training
-    if spot_on is None:  # on whenever the trainer holds a drafter with weights (the engine's, or vLLM colocate's)
-        spot_on = model is not None and not (trainer.use_vllm and args.vllm_mode == "server")
+    if spot_on is None:  # on whenever the trainer holds a drafter with weights (the engine's, vLLM's, a server's)
+        spot_on = model is not None
     if fallback_reason is not None and spot_on:
         if args.spot_training:
             raise ValueError(
@@ -305,7 +305,7 @@ def build_vllm_generation(
     """What GRPOTrainer's `__init__` builds as `VLLMGeneration(**vllm_kwargs)`: the same engine, speculating with the
     trainer's drafter (built here: vLLM loads it from a directory at start; `policy_tokenizer`: the trainer's
     processing class, which a drafter LM must share). Returns the engine and the drafter."""
-    drafter = build_drafter(args, policy, device, policy_tokenizer) if args.vllm_mode == "colocate" else None
+    drafter = build_drafter(args, policy, device, policy_tokenizer)
     model = drafter_model(drafter)
     if isinstance(model, Eagle3Model) and not model.exportable:
         raise ValueError(
@@ -317,19 +317,28 @@ def build_vllm_generation(
             "A LoRA (peft) drafter cannot be pushed into vLLM's draft model; merge the adapter into the drafter "
             "LM first (`merge_and_unload()`), use drafter_type='eagle3', or set use_vllm=False."
         )
+    if args.vllm_mode == "server":  # the server speculates with its own copy, into which the drafter is pushed
+        generation = TLTVLLMGeneration(**vllm_kwargs, drafter=model)
+        if model is not None and not generation.pushes_drafter:
+            if args.spot_training:
+                raise ValueError(
+                    "spot_training=True trains the drafter the vLLM server speculates with, and this server has no "
+                    "draft model to push it into. Start it with `trl-tlt vllm-serve` (docs/server.md), or set "
+                    "spot_training=False."
+                )
+            drafter = None  # nothing to train: the server's speculation (if any) is its own
+        return generation, drafter
     path, folder = args.drafter_model_name_or_path, None
     if isinstance(model, Eagle3Model) and path is None:  # a new head: vLLM loads it from a directory
         folder = tempfile.TemporaryDirectory(prefix="trl-tlt-drafter-")
         model.save_pretrained(folder.name)
         path = folder.name
-    config = None
-    if args.vllm_mode == "colocate":
-        config = speculative_config(
-            args.drafter_type,
-            path,
-            args.num_speculative_tokens,
-            args.vllm_speculative_max_batch_size,
-            args.vllm_draft_sample_method,
-        )
+    config = speculative_config(
+        args.drafter_type,
+        path,
+        args.num_speculative_tokens,
+        args.vllm_speculative_max_batch_size,
+        args.vllm_draft_sample_method,
+    )
     generation = TLTVLLMGeneration(**vllm_kwargs, speculative_config=config, drafter=model, drafter_folder=folder)
     return generation, drafter

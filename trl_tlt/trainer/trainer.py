@@ -199,12 +199,12 @@ class TLTGRPOTrainer(GRPOTrainer):
         )
         # colocate: the generate call alone, as on the engine path; server: the whole request
         seconds = self.vllm_generation.last_generate_seconds if colocate else time.perf_counter() - start
-        stats = self.vllm_generation.spec_decode_stats() if colocate else None
+        self.tlt.last_vllm_stats = stats = self.vllm_generation.spec_decode_stats()
         self.tlt.record(RolloutTurn(prompt_ids, [list(ids) for ids in completion_ids], seconds, stats))
-        self.tlt.last_vllm_stats = stats
         faults = (self.tlt.vllm_spec_faults, self.tlt.drafter_repushes)
         speculating = colocate and self.vllm_generation.speculative_config is not None
-        self._log(vllm_rollout_metrics(seconds, sum(map(len, completion_ids)), stats, faults if speculating else None))
+        metrics = vllm_rollout_metrics(seconds, sum(map(len, completion_ids)), stats, faults if speculating else None)
+        self._log({**metrics, **self.vllm_generation.push_metrics()})
         return completion_ids, logprobs
 
     def _end_rollout(self) -> None:

