@@ -1,8 +1,10 @@
-"""Helper of tests/test_vllm_colocate.py (not a test): TLT GRPO with vLLM colocate and spot training, per rank.
+"""Helper of tests/test_vllm_colocate.py and test_vllm_server.py (not a test): TLT GRPO with vLLM and spot training,
+per rank.
 
-torchrun --nproc_per_node 2 tests/_vllm_run.py POLICY_DIR DRAFTER_DIR OUTPUT_DIR [fsdp2]
+torchrun --nproc_per_node 2 tests/_vllm_run.py POLICY_DIR DRAFTER_DIR OUTPUT_DIR [fsdp2 | server=URL]
 
 With `fsdp2`, the trainer's policy is sharded by FSDP2 (`sharded_at_the_seam`) beside each rank's whole vLLM copy.
+With `server=URL`, vLLM server mode against that server (`trl-tlt vllm-serve` with DRAFTER_DIR), every default.
 """
 
 import functools
@@ -43,7 +45,11 @@ def main(policy_dir: str, drafter_dir: str, output_dir: str, sharding: str | Non
         spot_learning_rate=1e-3, report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
         seed=0, disable_tqdm=True,
     )  # fmt: skip
-    if sharding is not None:
+    server = sharding.removeprefix("server=") if sharding and sharding.startswith("server=") else None
+    if server is not None:
+        del config["vllm_max_model_length"], config["spot_training"], config["spot_learning_rate"]
+        config.update(vllm_mode="server", vllm_server_base_url=server, max_steps=3)  # 2 waits that train
+    elif sharding is not None:
         sharded_at_the_seam(sharding, config)
     args = TLTConfig(**config)
     with mock.patch("trl.generation.vllm_generation.LLM", functools.partial(vllm.LLM, dtype="float32")):
@@ -56,9 +62,14 @@ def main(policy_dir: str, drafter_dir: str, output_dir: str, sharding: str | Non
         )
     trainer.train()
     trainer.vllm_generation.sync_weights()  # the next policy sync pushes the drafter trained beside the last step
-    assert_draft_model_equals(trainer.vllm_generation.model_runner.get_draft_model(), trainer.tlt_drafter.model)
+    if server is None:
+        assert_draft_model_equals(trainer.vllm_generation.model_runner.get_draft_model(), trainer.tlt_drafter.model)
+    elif trainer.accelerator.is_main_process:  # what the server loaded, read back, is what was pushed last
+        client = trainer.vllm_generation.vllm_client
+        assert {w.get("draft") for w in client.loaded_weights()} == {client.last_update_sha256}
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.tlt_spot.params]).double()
     report = {
+        "push_failures": trainer.vllm_generation.push_failures,
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "policy_sharded": policy_is_sharded(trainer.model_wrapped),
@@ -66,7 +77,7 @@ def main(policy_dir: str, drafter_dir: str, output_dir: str, sharding: str | Non
         "drafter_sum": float(flat.sum()),
         "spot_steps": trainer.tlt_spot.total_steps,
         "rerun_samples": trainer.tlt_spot.rerun_samples,
-        "verify_steps": trainer.tlt_last_vllm_stats["verify_steps"],
+        "verify_steps": (trainer.tlt_last_vllm_stats or {}).get("verify_steps", 0),  # a server's: the main process's
     }
     with open(os.path.join(output_dir, f"report-{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(report, f)

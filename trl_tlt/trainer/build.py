@@ -74,7 +74,7 @@ def build_rollout_stack(
     colocated = trainer.use_vllm and args.vllm_mode == "colocate" and args.drafter_type != "none"
     # One stream per rank: ranks sample different prompts, but their noise must not be correlated either.
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + accelerator.process_index)
-    return RolloutStack(
+    stack = RolloutStack(
         drafter=drafter,
         hybrid=hybrid,
         speculation=speculation,
@@ -87,6 +87,10 @@ def build_rollout_stack(
         feature_source=args.spot_feature_source,
         engine_checked=trainer.use_vllm,  # else the engine's cache is checked on the real policy at the first rollout
     )
+    if stack.spot is not None and trainer.use_vllm and args.vllm_mode == "server":  # the wait for the server
+        stack.trains_while_waiting = True
+        trainer.vllm_generation.while_waiting = stack.train_while_waiting
+    return stack
 
 
 # ------------------------------------------------------------------------------------------------- drafters

@@ -52,15 +52,17 @@ def rollout_metrics(
     return metrics
 
 
-def spot_metrics(stats: SpotStats, spot: SpotTrainer) -> dict[str, float]:
-    """One spot phase (over all ranks after the merge)."""
+def spot_metrics(stats: SpotStats, spot: SpotTrainer, in_idle_time: bool | None = None) -> dict[str, float]:
+    """One spot phase (over all ranks after the merge); `in_idle_time`: it ran in idle time (default: with several
+    processes; a vLLM server's wait, whatever their number)."""
     summary = stats.summary
     one_process = spot.group is None
+    idle = not one_process if in_idle_time is None else in_idle_time
     metrics = {
         "tlt/drafter_steps": summary["steps"],
         "tlt/idle_seconds": summary["idle_seconds"],
-        "tlt/idle_seconds_used": 0.0 if one_process else summary["seconds_used"],
-        "tlt/spot_seconds": stats.seconds_used if one_process else 0.0,
+        "tlt/idle_seconds_used": summary["seconds_used"] if idle else 0.0,
+        "tlt/spot_seconds": 0.0 if idle else stats.seconds_used,
         "tlt/drafter_resets": summary["resets"],
         "tlt/drafter_rerun_samples": float(spot.rerun_samples),
         "tlt/drafter_dropped_samples": float(spot.dropped_samples),
@@ -69,7 +71,7 @@ def spot_metrics(stats: SpotStats, spot: SpotTrainer) -> dict[str, float]:
         metrics["tlt/drafter_loss"] = summary["loss"]
     if summary["eval_acceptance_length"] is not None:
         metrics["tlt/drafter_eval_acceptance_length"] = summary["eval_acceptance_length"]
-    if one_process:
+    if one_process and not idle:
         metrics["tlt/spot_budget_share"] = 0.0 if stats.skipped else spot.budget.share
     if stats.expected_speedup is not None:
         metrics["tlt/drafter_expected_speedup"] = stats.expected_speedup

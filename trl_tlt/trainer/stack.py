@@ -12,7 +12,6 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file
@@ -20,8 +19,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from ..drafters import HybridDrafter, PromptHistory
-from ..drafters.eagle3 import Eagle3Drafter, Eagle3Model
-from ..drafters.model import ModelDrafter
+from ..drafters.eagle3 import Eagle3Model
 from ..engine import Drafter, FixedSpeculation, GenerationOutput, SamplingParams, SpeculationPolicy, SpeculativeEngine
 from ..engine.features import SequenceFeatures
 from ..engine.kv_cache import LayerTap
@@ -32,6 +30,8 @@ from ..training.distillation import PolicyView
 from ..training.spot import SpotStats, SpotTrainer
 from ..vllm.watchdog import DrafterWatchdog
 from .drafter_writer import DrafterWriter
+from .metrics import spot_metrics
+from .rollout import RolloutTurn, drafter_model  # noqa: F401 (RolloutTurn: the stack's API)
 from .step_features import StepFeatures
 
 
@@ -44,25 +44,6 @@ DRAFTER_DIR = "drafter"  # inside every checkpoint folder
 ROLLOUT_STATE_NAME = "tlt_state/rank{rank}.pt"
 HISTORY_NAME = "tlt_history/rank{rank}.json"  # read from checkpoints written before ROLLOUT_STATE_NAME
 SPOT_STATE_NAME = "spot_state.pt"  # likewise, in drafter/ (the first rank's spot training state)
-
-
-def drafter_model(drafter: Drafter | None) -> Eagle3Model | PreTrainedModel | None:
-    """A drafter's own model (an `Eagle3Model` or a causal LM), or None for model-free drafters and none."""
-    return drafter.model if isinstance(drafter, Eagle3Drafter | ModelDrafter) else None
-
-
-class RolloutTurn(NamedTuple):
-    """One generation turn: the prompts (tool results included after a rollout's first turn) and what the policy
-    sampled after them, in `seconds`; `spec_stats`: vLLM's acceptance over the turn (None on trl-tlt's engine);
-    `features`: the policy's hidden states the engine recorded for drafter training, per row (None: none);
-    `batch_sizes`: the engine's active batch size at each decode step (None: not the engine's turn)."""
-
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    seconds: float
-    spec_stats: dict[str, float] | None = None
-    features: list[torch.Tensor] | None = None
-    batch_sizes: list[int] | None = None
 
 
 @dataclass
@@ -114,6 +95,9 @@ class RolloutStack:
     speculation_off: bool = False  # vLLM's speculation was turned off mid-run (kept across a resume)
     step_features: StepFeatures | None = None  # what the training step's loss forwards recorded for the drafter
     rollout_costs: tuple[float, dict[int, float]] = (0.0, {})  # the last rollout's seconds and verify costs
+    trains_while_waiting: bool = False  # vLLM server mode: the step's phase runs while the next rollout waits
+    waiting_policy: PolicyView | None = None  # the policy's LM head that phase reads (None: no phase pending)
+    waiting_spot: SpotStats | None = None  # that phase's statistics, until logged
     writer: DrafterWriter = field(
         default_factory=DrafterWriter, repr=False
     )  # checkpoints' drafter/, in the background
@@ -354,13 +338,15 @@ class RolloutStack:
             return (use_vllm or lockstep) and not (lockstep and is_fsdp1(model))
         return self.feature_source == "training_step"
 
-    def train_drafter_on_step(self, policy: PreTrainedModel, version: int, sharded: bool) -> SpotStats:
+    def train_drafter_on_step(self, policy: PreTrainedModel, version: int, sharded: bool) -> SpotStats | None:
         """Spot training on what the generation batch's loss forwards recorded, once per generation batch, on every
         rank alike (a phase the budget skips included: it counts the skip, and with several processes every rank
         reaches the merge): within the time budget the last rollout's seconds set (`rollout_costs`), then the ranks'
         drafters merged. Reads the policy's LM head, never runs the policy (rows without states are dropped, never
         rerun); a `sharded` policy's embedding and LM head are gathered whole for it (a collective every rank joins
-        here), then let go."""
+        here), then let go. With a vLLM server (`trains_while_waiting`; a policy whole on each rank, no
+        `spot_steps_per_rollout`) the data is kept and the phase waits for the next rollout: `train_while_waiting`
+        (None here)."""
         recorded, self.step_features = self.step_features, None
         self.spot_refused = False  # a turn through GRPOTrainer's generation: its training step records all the same
         if recorded is not None:
@@ -368,6 +354,9 @@ class RolloutStack:
         else:
             self.spot.buffer.drop_stale(version)
         head_weight = policy.get_output_embeddings().weight
+        if self.trains_while_waiting and not sharded and self.spot.steps_per_phase is None:
+            self.waiting_policy = PolicyView(head_weight, policy.config)  # the head updates in place: read then
+            return None
         if sharded:
             eagle = isinstance(self.trainable_drafter, Eagle3Model)  # it embeds with the policy's embedding
             weights = whole_policy_weights(policy, ("input_embedding",) * eagle + ("output_embedding",))
@@ -381,6 +370,19 @@ class RolloutStack:
             if sharded:
                 self.release_policy_weights()
         return self.last_spot
+
+    def train_while_waiting(self, done) -> None:
+        """vLLM server mode, on every rank alike: the phase the last training step left (`train_drafter_on_step`), in
+        the time the trainer waits for the server's completions (`done()`: they are back), then the merge; its
+        statistics wait in `waiting_spot` for the rollout's metrics. Nothing pending (the first rollout): nothing."""
+        policy, self.waiting_policy = self.waiting_policy, None
+        if policy is not None and self.spot is not None:
+            self.last_spot = self.waiting_spot = self.spot.run_while_waiting(policy, done)
+
+    def pop_waiting_metrics(self) -> dict[str, float]:
+        """The metrics of the phase run while the last rollout waited for the server (empty if none ran)."""
+        stats, self.waiting_spot = self.waiting_spot, None
+        return {} if stats is None else spot_metrics(stats, self.spot, in_idle_time=True)
 
     # --------------------------------------------------------------------------------- save and resume
     def state_dict(self) -> dict:

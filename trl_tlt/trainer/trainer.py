@@ -204,7 +204,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         faults = (self.tlt.vllm_spec_faults, self.tlt.drafter_repushes)
         speculating = colocate and self.vllm_generation.speculative_config is not None
         metrics = vllm_rollout_metrics(seconds, sum(map(len, completion_ids)), stats, faults if speculating else None)
-        self._log({**metrics, **self.vllm_generation.push_metrics()})
+        self._log({**metrics, **self.vllm_generation.push_metrics(), **self.tlt.pop_waiting_metrics()})
         return completion_ids, logprobs
 
     def _end_rollout(self) -> None:

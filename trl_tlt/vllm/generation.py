@@ -13,6 +13,7 @@ import contextlib
 import copy
 import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -105,6 +106,7 @@ class TLTVLLMGeneration(VLLMGeneration):
         self.last_generate_seconds: float | None = None  # its wall time
         self._speculation_off = False
         self.pushes_drafter = False  # server mode: the drafter goes into the server's draft model
+        self.while_waiting = None  # server mode: what runs while a request waits for the server (`generate`)
         self.push_failures = 0  # server mode: drafter pushes that failed
         self.last_push_seconds: float | None = None  # server mode: the last push's wall time, its read-back included
         super().__init__(*args, **kwargs)
@@ -187,6 +189,17 @@ class TLTVLLMGeneration(VLLMGeneration):
         return [(name, p.detach()) for name, p in self.drafter.named_parameters()]
 
     # ------------------------------------------------------------------------------------------- server mode
+    def generate(self, *args, **kwargs):
+        """TRL's generate; in server mode with `while_waiting` set (spot training, `RolloutStack.train_while_waiting`),
+        TRL's request and its broadcast of the completions run in a thread while this one trains the drafter until
+        they are back: the time the trainer's processes would spend waiting for the server."""
+        if self.mode != "server" or self.while_waiting is None:
+            return super().generate(*args, **kwargs)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-tlt-server-request") as pool:
+            request = pool.submit(super().generate, *args, **kwargs)
+            self.while_waiting(request.done)
+            return request.result()
+
     def _init_server_drafter(self) -> None:
         """Server mode: whether the trainer's drafter goes into the server's draft model (`pushes_drafter`, alike on
         every rank): the server speculates with a draft model of the drafter's kind, and the first push, made here,

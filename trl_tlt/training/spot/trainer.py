@@ -55,11 +55,7 @@ class SpotTrainer:
             (`torch.bfloat16`: matrix products on bf16 units; the loss's log-softmax, the weights, their gradients and
             the optimizer stay float32), None: float32 throughout. `evaluate` always runs in the weights' dtype.
 
-    Example:
-        >>> spot = SpotTrainer(head, DataBuffer(window=2), tokens_per_step=256)
-        >>> spot.observe_rollout(prompt_ids, completion_ids)
-        >>> stats = spot.run_between_rollouts(policy, rollout_seconds=4.0)
-    """
+    Example: `spot.observe_rollout(prompt_ids, completion_ids)`, then `spot.run_between_rollouts(policy, 4.0)`."""
 
     def __init__(
         self,
@@ -245,9 +241,8 @@ class SpotTrainer:
         self, prompts: list[list[int]], completions: list[list[int]], features: list | None = None, version=None
     ) -> None:
         """This rank's latest rollout: into the buffer (with the policy's `features` of each row, computed at policy
-        `version`, where its rollout recorded them: `DataBuffer.add`), and its tokens into the draft vocabulary's
-        counts. A rollout whose phase the time budget skips is only counted: no step will read it, and by the next phase
-        its features are stale."""
+        `version`, where its rollout recorded them: `DataBuffer.add`), its tokens into the draft vocabulary's counts.
+        A rollout whose phase the time budget skips is only counted (no step will read it; by then it is stale)."""
         if self.wants_features:
             self.buffer.add(prompts, completions, features, version)
         else:
@@ -417,15 +412,7 @@ class SpotTrainer:
         barrier = self.peers.all_reduce(flags, "the idle barrier", async_op=True)
         done = barrier.is_completed
         if self.steps_per_phase is None and view is not None and not done() and self.buffer.samples:
-            stats.eval_acceptance_length = self.evaluate(view, preempt=done)
-            while not done() and self.buffer.samples:
-                loss = self.step(view, preempt=done)
-                if loss is None:
-                    stats.preempted += 1
-                else:
-                    stats.steps += 1
-                    stats.losses.append(loss)
-            stats.seconds_used = time.perf_counter() - start
+            self._train_until(view, done, stats, start)
         with self.peers.answering("the idle barrier (waiting for the other ranks' rollouts)"):
             barrier.wait()
         stats.idle_seconds = time.perf_counter() - start
@@ -440,6 +427,29 @@ class SpotTrainer:
         self._merge(stats)
         self._revise_vocab(view, stats, wait=without_head > 0)
         return stats
+
+    def run_while_waiting(self, policy: PreTrainedModel | PolicyView, done) -> SpotStats:
+        """Drafter steps until `done()` (the trainer waits for a vLLM server's completions: idle time, outside the
+        time budget), then the ranks' drafters merged (every rank waits for the same broadcast of the completions)."""
+        stats, start = SpotStats(), time.perf_counter()
+        self._phase_resets = 0
+        self.check_weights()
+        if not done() and self.buffer.samples:
+            self._train_until(PolicyView.of(policy), done, stats, start)
+        stats.idle_seconds = time.perf_counter() - start
+        return self._end_budget_phase(stats)
+
+    def _train_until(self, view: PolicyView, done, stats: SpotStats, start: float) -> None:
+        """The held-out evaluation, then drafter steps until `done()` (a step in progress then is dropped whole)."""
+        stats.eval_acceptance_length = self.evaluate(view, preempt=done)
+        while not done() and self.buffer.samples:
+            loss = self.step(view, preempt=done)
+            if loss is None:
+                stats.preempted += 1
+            else:
+                stats.steps += 1
+                stats.losses.append(loss)
+        stats.seconds_used = time.perf_counter() - start
 
     @torch.no_grad()
     def _merge(self, stats: SpotStats) -> None:
