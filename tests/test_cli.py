@@ -123,3 +123,23 @@ def test_the_train_drafter_check_fails_when_the_head_does_not_learn(tiny_model_d
     """Negative control of `trained`: at learning rate 0 the loss does not fall."""
     report, _, _ = run_train_drafter(tiny_model_dirs["qwen2"], tmp_path, capsys, learning_rate="0")
     assert not trained(report)
+
+
+def test_vllm_serve_builds_trl_s_command_with_the_drafter_and_the_transfer(tmp_path):
+    """`trl-tlt vllm-serve`: TRL's `vllm serve` command line, run through vLLM's API server module, with the EAGLE-3
+    drafter's speculative config, the weight-transfer backend and the read-back extension; a user's own extension is
+    refused by name (it would silently replace the one the push needs)."""
+    from trl.scripts.vllm_serve import ScriptArguments
+
+    from trl_tlt.tooling.serve import ServeArguments, build_command
+
+    serve = ServeArguments(drafter=str(tmp_path), num_speculative_tokens=4, weight_transfer_backend="tlt_shm")
+    command = build_command(ScriptArguments(model="policy"), serve, ["--seed", "0"])
+    assert command[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "policy"]
+    assert json.loads(command[command.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 4, "draft_sample_method": "probabilistic",
+    }  # fmt: skip
+    assert json.loads(command[command.index("--weight-transfer-config") + 1]) == {"backend": "tlt_shm"}
+    assert command[-4:] == ["--seed", "0", "--worker-extension-cls", "trl_tlt.vllm.transfer.TLTWorkerExtension"]
+    with pytest.raises(ValueError, match="worker-extension-cls"):
+        build_command(ScriptArguments(model="policy"), serve, ["--worker-extension-cls", "mine.Extension"])

@@ -324,7 +324,7 @@ def test_two_ranks_fit_the_draft_vocabulary_alike(tmp_path):
 
 @pytest.mark.slow  # two spawned processes, about 8 s: CI's second stage (the default run keeps one 2-rank test)
 def test_a_rank_that_saw_no_rollout_still_sums_the_token_counts(tmp_path):
-    """Mutation caught: `_revise_vocab` returning early on a rank with no token counts of its own (a rollout with no
+    """Mutation caught: `revise_vocab` returning early on a rank with no token counts of its own (a rollout with no
     turn of ours on that rank) while the others all-reduce theirs: the others waited until the group's timeout."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:

@@ -43,14 +43,19 @@ class ServeArguments:
     )
 
 
-def new_head_folder(model: str, draft_vocab_size: int | None, dtype: str) -> str:
-    """A new EAGLE-3 head for the policy `model`, as `TLTGRPOTrainer` builds its own, written to a new folder."""
+def new_head_folder(script_args, draft_vocab_size: int | None) -> str:
+    """A new EAGLE-3 head for the served policy, as `TLTGRPOTrainer` builds its own, written to a new folder (left in
+    the temporary folder: the server reads it for as long as it runs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from ..trainer.build import build_eagle3
 
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
+    dtype, model = script_args.dtype, script_args.model
+    policy = AutoModelForCausalLM.from_pretrained(
+        model, dtype="auto" if dtype == "auto" else getattr(torch, dtype), revision=script_args.revision,
+        trust_remote_code=script_args.trust_remote_code,
+    )  # fmt: skip
     folder = tempfile.mkdtemp(prefix="trl-tlt-served-drafter-")
     # what `build_eagle3` reads of TLTConfig, at the trainer's defaults
     args = SimpleNamespace(drafter_model_name_or_path=None, spot_training=None, draft_vocab_size=draft_vocab_size)
@@ -70,9 +75,7 @@ def build_command(script_args, serve_args: ServeArguments, extra_args: list[str]
             f"--draft_sample_method must be 'probabilistic' or 'greedy', got {serve_args.draft_sample_method!r}."
         )
     if script_args.speculative_config is None:
-        drafter = serve_args.drafter or new_head_folder(
-            script_args.model, serve_args.draft_vocab_size, script_args.dtype
-        )
+        drafter = serve_args.drafter or new_head_folder(script_args, serve_args.draft_vocab_size)
         script_args.speculative_config = json.dumps({
             "method": "eagle3", "model": drafter, "num_speculative_tokens": serve_args.num_speculative_tokens,
             "draft_sample_method": serve_args.draft_sample_method,
@@ -86,6 +89,12 @@ def build_command(script_args, serve_args: ServeArguments, extra_args: list[str]
     serve = command.index("serve")
     command[serve - 1 : serve + 2] = ["vllm.entrypoints.openai.api_server", "--model", script_args.model]
     command[command.index("--weight-transfer-config") + 1] = json.dumps({"backend": backend})
+    if any(arg.startswith("--worker-extension-cls") for arg in extra_args or ()):
+        raise ValueError(
+            "trl-tlt vllm-serve sets --worker-extension-cls (trl_tlt.vllm.transfer.TLTWorkerExtension: the drafter "
+            "push needs it); to serve with an extension of your own, subclass it and start `vllm serve` yourself "
+            "with the flags of docs/server.md."
+        )
     return command + ["--worker-extension-cls", "trl_tlt.vllm.transfer.TLTWorkerExtension"]
 
 

@@ -311,6 +311,17 @@ def build_vllm_generation(
     processing class, which a drafter LM must share). Returns the engine and the drafter."""
     drafter = build_drafter(args, policy, device, policy_tokenizer)
     model = drafter_model(drafter)
+    if args.vllm_mode == "server":  # the server speculates with its own copy, into which the drafter is pushed
+        generation = TLTVLLMGeneration(**vllm_kwargs, drafter=model)
+        if model is not None and not generation.pushes_drafter:
+            if args.spot_training:
+                raise ValueError(
+                    "spot_training=True trains the drafter the vLLM server speculates with, and this server has no "
+                    "draft model to push it into. Start it with `trl-tlt vllm-serve` (docs/server.md), or set "
+                    "spot_training=False."
+                )
+            generation.drafter = drafter = None  # nothing to train: the server's speculation (if any) is its own
+        return generation, drafter
     if isinstance(model, Eagle3Model) and not model.exportable:
         raise ValueError(
             f"vLLM cannot load an EAGLE-3 head with repeated layer ids {model.aux_layer_ids} (a policy with fewer "
@@ -321,17 +332,6 @@ def build_vllm_generation(
             "A LoRA (peft) drafter cannot be pushed into vLLM's draft model; merge the adapter into the drafter "
             "LM first (`merge_and_unload()`), use drafter_type='eagle3', or set use_vllm=False."
         )
-    if args.vllm_mode == "server":  # the server speculates with its own copy, into which the drafter is pushed
-        generation = TLTVLLMGeneration(**vllm_kwargs, drafter=model)
-        if model is not None and not generation.pushes_drafter:
-            if args.spot_training:
-                raise ValueError(
-                    "spot_training=True trains the drafter the vLLM server speculates with, and this server has no "
-                    "draft model to push it into. Start it with `trl-tlt vllm-serve` (docs/server.md), or set "
-                    "spot_training=False."
-                )
-            drafter = None  # nothing to train: the server's speculation (if any) is its own
-        return generation, drafter
     path, folder = args.drafter_model_name_or_path, None
     if isinstance(model, Eagle3Model) and path is None:  # a new head: vLLM loads it from a directory
         folder = tempfile.TemporaryDirectory(prefix="trl-tlt-drafter-")

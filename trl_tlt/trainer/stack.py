@@ -95,8 +95,8 @@ class RolloutStack:
     speculation_off: bool = False  # vLLM's speculation was turned off mid-run (kept across a resume)
     step_features: StepFeatures | None = None  # what the training step's loss forwards recorded for the drafter
     rollout_costs: tuple[float, dict[int, float]] = (0.0, {})  # the last rollout's seconds and verify costs
-    trains_while_waiting: bool = False  # vLLM server mode: the step's phase runs while the next rollout waits
-    waiting_policy: PolicyView | None = None  # the policy's LM head that phase reads (None: no phase pending)
+    trains_while_waiting: bool = False  # vLLM server mode: the step's phase runs while the next rollout waits ...
+    waiting_policy: PolicyView | None = None  # ... reading this LM head (None: no phase pending)
     waiting_spot: SpotStats | None = None  # that phase's statistics, until logged
     writer: DrafterWriter = field(
         default_factory=DrafterWriter, repr=False
@@ -344,9 +344,7 @@ class RolloutStack:
         reaches the merge): within the time budget the last rollout's seconds set (`rollout_costs`), then the ranks'
         drafters merged. Reads the policy's LM head, never runs the policy (rows without states are dropped, never
         rerun); a `sharded` policy's embedding and LM head are gathered whole for it (a collective every rank joins
-        here), then let go. With a vLLM server (`trains_while_waiting`; a policy whole on each rank, no
-        `spot_steps_per_rollout`) the data is kept and the phase waits for the next rollout: `train_while_waiting`
-        (None here)."""
+        here), then let go. With a vLLM server the phase waits for the next rollout (`train_while_waiting`; None)."""
         recorded, self.step_features = self.step_features, None
         self.spot_refused = False  # a turn through GRPOTrainer's generation: its training step records all the same
         if recorded is not None:
@@ -354,7 +352,9 @@ class RolloutStack:
         else:
             self.spot.buffer.drop_stale(version)
         head_weight = policy.get_output_embeddings().weight
-        if self.trains_while_waiting and not sharded and self.spot.steps_per_phase is None:
+        # deferred to the next rollout's wait, unless the last deferral found none (a `rollout_func`'s own requests)
+        deferred, self.waiting_policy = self.waiting_policy, None
+        if self.trains_while_waiting and deferred is None and not sharded and self.spot.steps_per_phase is None:
             self.waiting_policy = PolicyView(head_weight, policy.config)  # the head updates in place: read then
             return None
         if sharded:
@@ -371,17 +371,23 @@ class RolloutStack:
                 self.release_policy_weights()
         return self.last_spot
 
-    def train_while_waiting(self, done) -> None:
-        """vLLM server mode, on every rank alike: the phase the last training step left (`train_drafter_on_step`), in
-        the time the trainer waits for the server's completions (`done()`: they are back), then the merge; its
-        statistics wait in `waiting_spot` for the rollout's metrics. Nothing pending (the first rollout): nothing."""
+    def train_while_waiting(self, done):
+        """vLLM server mode, every rank alike: the phase the last training step left, while the trainer waits for the
+        server's completions (`done()`: they are back). Returns what ends it once every rank has them (the merge; its
+        statistics wait in `waiting_spot` for the rollout's metrics), None with nothing pending (the first rollout)."""
         policy, self.waiting_policy = self.waiting_policy, None
-        if policy is not None and self.spot is not None:
-            self.last_spot = self.waiting_spot = self.spot.run_while_waiting(policy, done)
+        if policy is None or self.spot is None:
+            return None
+        stats = self.spot.run_while_waiting(policy, done)
+
+        def end_phase():
+            self.last_spot = self.waiting_spot = self.spot.end_phase(stats)
+            self.spot.revise_vocab(policy, stats)
+
+        return end_phase
 
     def pop_waiting_metrics(self) -> dict[str, float]:
-        """The metrics of the phase run while the last rollout waited for the server (empty if none ran)."""
-        stats, self.waiting_spot = self.waiting_spot, None
+        stats, self.waiting_spot = self.waiting_spot, None  # the phase run while the last rollout waited, if any
         return {} if stats is None else spot_metrics(stats, self.spot, in_idle_time=True)
 
     # --------------------------------------------------------------------------------- save and resume

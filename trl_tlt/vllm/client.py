@@ -67,6 +67,8 @@ class TLTVLLMClient(VLLMClient):
         if self.backend != BACKEND:
             return super().init_communicator(device)
         self._post(f"{self.base_url}/init_weight_transfer_engine", json={"init_info": {}})
+        with contextlib.suppress(Exception):  # a session a killed trainer left open would refuse every later start
+            self._post_once("finish_weight_update")
 
     def _start_weight_update(self):
         if self.backend != BACKEND:
@@ -152,6 +154,12 @@ class TLTVLLMClient(VLLMClient):
             if name in totals:
                 totals[name] += float(line.rsplit(" ", 1)[1])
         return tuple(totals[name] for name in names)
+
+    def own_draft_lm_head(self) -> None:
+        """Give the server's draft model its own LM head where vLLM shares the policy's with it (an EAGLE head whose
+        LM head was identical at load): pushing the drafter would otherwise overwrite the policy's. Needs the server's
+        `--worker-extension-cls trl_tlt.vllm.transfer.TLTWorkerExtension`."""
+        self._post_once("collective_rpc", {"method": "trl_tlt_own_draft_lm_head"})
 
     def loaded_weights(self) -> list[dict[str, str]]:
         """Per worker, the sha256 of the last `tlt_shm` file it loaded into each target ("policy", "draft"): what

@@ -195,10 +195,20 @@ class TLTVLLMGeneration(VLLMGeneration):
         they are back: the time the trainer's processes would spend waiting for the server."""
         if self.mode != "server" or self.while_waiting is None:
             return super().generate(*args, **kwargs)
+        device = self.accelerator.device
+
+        def request_and_broadcast():
+            if device.type == "cuda":  # a thread starts on cuda:0; TRL's collectives use the current device
+                torch.cuda.set_device(device)
+            return super(TLTVLLMGeneration, self).generate(*args, **kwargs)
+
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-tlt-server-request") as pool:
-            request = pool.submit(super().generate, *args, **kwargs)
-            self.while_waiting(request.done)
-            return request.result()
+            request = pool.submit(request_and_broadcast)
+            end_phase = self.while_waiting(request.done)
+            output = request.result()  # a failed request raises here, where it failed, before any collective
+        if end_phase is not None:
+            end_phase()  # every rank has its completions: the merge
+        return output
 
     def _init_server_drafter(self) -> None:
         """Server mode: whether the trainer's drafter goes into the server's draft model (`pushes_drafter`, alike on
@@ -208,7 +218,10 @@ class TLTVLLMGeneration(VLLMGeneration):
 
         verdict = [(False, None)]
         if self.drafter is not None and self.accelerator.is_main_process:
-            verdict = [self._first_push()]
+            try:
+                verdict = [self._first_push()]
+            except Exception as error:  # said on every rank: the others wait for this verdict
+                verdict = [(False, f"The vLLM server's configuration could not be read ({error}).")]
         (self.pushes_drafter, error), *_ = broadcast_object_list(verdict)
         if error is not None:
             raise ValueError(error)
@@ -226,12 +239,14 @@ class TLTVLLMGeneration(VLLMGeneration):
             )
             return False, None
         try:
+            self.vllm_client.own_draft_lm_head()
             self.push_to_server(strict=True)
         except Exception as error:  # a server of another drafter, or one that cannot take a draft update
             return False, (
                 f"The trainer's drafter cannot be pushed into the vLLM server's draft model ({error}). Start the "
                 "server with the trainer's policy and drafter (`trl-tlt vllm-serve --model POLICY`, with `--drafter "
-                "DIR` where the trainer has `drafter_model_name_or_path=DIR`), or set drafter_type='none'."
+                "DIR` where the trainer has `drafter_model_name_or_path=DIR`; it adds the `--worker-extension-cls` "
+                "the push needs), or set drafter_type='none'."
             )
         return True, None
 

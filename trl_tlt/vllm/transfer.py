@@ -82,12 +82,12 @@ class SharedFileWeightTransferEngine(WeightTransferEngine[SharedFileInitInfo, Sh
             ) from error
         digest = hashlib.sha256(data).hexdigest()
         if digest != update_info.sha256:
-            raise ValueError(f"{path} is not the file the trainer wrote (sha256 {digest}, sent {update_info.sha256}).")
+            raise ValueError(f"{path} is not the file the trainer wrote (its sha256 differs from the one sent).")
         weights = load(data)
         check_layout(weights, checkpoint_layout(self.model_config.model))
         target = "policy" if self.model is self._default_model else "draft"
         if target == "draft":
-            self._own_draft_lm_head()
+            own_draft_lm_head(self.model, self._default_model)
         self.loaded_sha256.pop(target, None)  # unknown until the reload ends well
         initialize_layerwise_reload(self.model)
         try:
@@ -95,17 +95,6 @@ class SharedFileWeightTransferEngine(WeightTransferEngine[SharedFileInitInfo, Sh
         finally:  # also after a failure: a layer left on the meta device would end the engine at its next step
             finalize_layerwise_reload(self.model, self.model_config)
         self.loaded_sha256[target] = digest
-
-    def _own_draft_lm_head(self) -> None:
-        """vLLM shares the target's LM head with an EAGLE head whose LM head is identical at load (a new head's is):
-        the draft model gets its own copy before its first push, or the push would overwrite the policy's."""
-        from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
-
-        draft, policy = self.model, self._default_model
-        lm_head = getattr(draft, "lm_head", None)
-        if lm_head is not None and lm_head is getattr(policy, "lm_head", None):
-            draft.lm_head = copy.deepcopy(lm_head)
-            record_metadata_for_reloading(draft.lm_head)
 
     def shutdown(self) -> None:
         pass
@@ -137,6 +126,17 @@ def check_layout(weights: dict[str, torch.Tensor], layout: dict[str, tuple[int, 
         )
 
 
+def own_draft_lm_head(draft: torch.nn.Module, policy: torch.nn.Module) -> None:
+    """vLLM shares the policy's LM head with an EAGLE head whose LM head is identical at load (a new head's is): the
+    draft model gets its own copy before its first push, or the push would overwrite the policy's."""
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    lm_head = getattr(draft, "lm_head", None)
+    if lm_head is not None and lm_head is getattr(policy, "lm_head", None):
+        draft.lm_head = copy.deepcopy(lm_head)
+        record_metadata_for_reloading(draft.lm_head)
+
+
 class TLTWorkerExtension:
     """Mixed into vLLM's worker (`--worker-extension-cls trl_tlt.vllm.transfer.TLTWorkerExtension`): what the trainer
     reads back through `POST /collective_rpc`."""
@@ -145,6 +145,12 @@ class TLTWorkerExtension:
         """The sha256 of the last `tlt_shm` file loaded into each target ("policy", "draft") of this worker."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "loaded_sha256", {}))
+
+    def trl_tlt_own_draft_lm_head(self) -> None:
+        """`own_draft_lm_head` on this worker's draft model, whatever the weight-transfer backend (NCCL too)."""
+        draft = self.get_draft_model()
+        if draft is not None:
+            own_draft_lm_head(draft, self.model_runner.get_model())
 
 
 def register() -> None:

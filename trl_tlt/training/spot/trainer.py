@@ -252,7 +252,7 @@ class SpotTrainer:
             self._rollout_counts = counts if self._rollout_counts is None else self._rollout_counts + counts
 
     @torch.no_grad()
-    def _revise_vocab(self, policy: PolicyView, stats: SpotStats, wait: bool = False) -> None:
+    def revise_vocab(self, policy: PolicyView, stats: SpotStats, wait: bool = False) -> None:
         """Count the rollouts seen since the last call (summed over ranks) and re-choose the draft vocabulary if it
         covers too little of them: kept rows keep their weights and optimizer moments, new rows start afresh. `wait`
         (agreed by every rank): a rank has no LM head to size new rows from; the counts wait for the next phase."""
@@ -337,14 +337,14 @@ class SpotTrainer:
                 stats.refused = True
                 return stats
             without_head = without > 0
-        self._revise_vocab(view, stats, wait=without_head)
+        self.revise_vocab(view, stats, wait=without_head)
         if self.steps_per_phase is None and self.budget.skips_phase():
             stats.skipped = True
-            return self._end_budget_phase(stats)
+            return self.end_phase(stats)
         if view is not None:
             self._budgeted_steps(view, stats, rollout_seconds, step_costs)
         stats.seconds_used = time.perf_counter() - start
-        return self._end_budget_phase(stats)
+        return self.end_phase(stats)
 
     def _budgeted_steps(self, policy: PolicyView, stats: SpotStats, rollout_seconds: float, step_costs) -> None:
         """The phase's evaluation, then its drafter steps, within the budget (or exactly `steps_per_phase`)."""
@@ -367,8 +367,8 @@ class SpotTrainer:
             stats.steps += 1
             stats.losses.append(loss)
 
-    def _end_budget_phase(self, stats: SpotStats) -> SpotStats:
-        """A budgeted phase's end: the weights checked and kept; with several processes the ranks' drafters merged."""
+    def end_phase(self, stats: SpotStats) -> SpotStats:
+        """A phase's end (budgeted, or `run_while_waiting`'s): the weights checked and kept; with several processes the ranks' drafters merged."""
         finite = self._keep_good()
         stats.resets = self._phase_resets
         if self.group is None:
@@ -425,19 +425,19 @@ class SpotTrainer:
             stats.steps = 0
         stats.resets = self._phase_resets
         self._merge(stats)
-        self._revise_vocab(view, stats, wait=without_head > 0)
+        self.revise_vocab(view, stats, wait=without_head > 0)
         return stats
 
     def run_while_waiting(self, policy: PreTrainedModel | PolicyView, done) -> SpotStats:
         """Drafter steps until `done()` (the trainer waits for a vLLM server's completions: idle time, outside the
-        time budget), then the ranks' drafters merged (every rank waits for the same broadcast of the completions)."""
+        time budget); the caller ends the phase (`end_phase`, the merge) once every rank has its completions."""
         stats, start = SpotStats(), time.perf_counter()
         self._phase_resets = 0
         self.check_weights()
         if not done() and self.buffer.samples:
             self._train_until(PolicyView.of(policy), done, stats, start)
         stats.idle_seconds = time.perf_counter() - start
-        return self._end_budget_phase(stats)
+        return stats
 
     def _train_until(self, view: PolicyView, done, stats: SpotStats, start: float) -> None:
         """The held-out evaluation, then drafter steps until `done()` (a step in progress then is dropped whole)."""
