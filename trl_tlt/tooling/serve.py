@@ -6,8 +6,9 @@ It builds TRL's command (`trl.scripts.vllm_serve.build_command`: its flags, `VLL
 things:
 - `--speculative-config`: EAGLE-3 with `--drafter DIR` (a head `trl-tlt train-drafter` or `save_drafter` wrote: then
   the trainer needs `drafter_model_name_or_path=DIR` too), or else a new head for the policy, built as the trainer
-  builds its own (`draft_vocab_size` as `TLTConfig`'s) and written to a folder; `--speculative_config JSON` instead
-  serves exactly that;
+  builds its own (`draft_vocab_size` as `TLTConfig`'s) and written to a folder; k, the drafting rule and the batch
+  size above which it does not speculate as `TLTConfig`'s colocate settings; `--speculative_config JSON` instead
+  serves exactly that, `--speculate false` no drafter;
 - the weight transfer: `tlt_shm` (`trl_tlt/vllm/transfer.py`) where the server has no GPU (vLLM's NCCL moves nothing on a CPU),
   TRL's NCCL otherwise; `--weight_transfer_backend` names one;
 - `--worker-extension-cls trl_tlt.vllm.transfer.TLTWorkerExtension`: the checksums the trainer reads back;
@@ -17,12 +18,17 @@ things:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 from ..vllm import TRANSFER_BACKEND
@@ -38,8 +44,14 @@ class ServeArguments:
     draft_sample_method: str = field(
         default="probabilistic", metadata={"help": "vLLM's drafting rule, as TLTConfig's vllm_draft_sample_method."}
     )
+    speculative_max_batch_size: int = field(
+        default=32, metadata={"help": "Speculate at most this many running sequences (0: always), as TLTConfig's."}
+    )
     weight_transfer_backend: str = field(
         default="auto", metadata={"help": f"'{TRANSFER_BACKEND}', 'nccl', or 'auto' (nccl where CUDA is)."}
+    )
+    speculate: bool = field(
+        default=True, metadata={"help": "False: no drafter (GRPOTrainer's server, with the weight transfer above)."}
     )
 
 
@@ -70,16 +82,20 @@ def build_command(script_args, serve_args: ServeArguments, extra_args: list[str]
     """TRL's `vllm serve` command line (`script_args`: its `ScriptArguments`), changed as the module says."""
     from trl.scripts.vllm_serve import build_command as trl_build_command
 
+    from ..vllm.generation import speculative_config
+
     if serve_args.draft_sample_method not in ("probabilistic", "greedy"):
         raise ValueError(
             f"--draft_sample_method must be 'probabilistic' or 'greedy', got {serve_args.draft_sample_method!r}."
         )
-    if script_args.speculative_config is None:
+    if script_args.speculative_config is None and serve_args.speculate:
         drafter = serve_args.drafter or new_head_folder(script_args, serve_args.draft_vocab_size)
-        script_args.speculative_config = json.dumps({
-            "method": "eagle3", "model": drafter, "num_speculative_tokens": serve_args.num_speculative_tokens,
-            "draft_sample_method": serve_args.draft_sample_method,
-        })  # fmt: skip
+        script_args.speculative_config = json.dumps(
+            speculative_config(
+                "eagle3", drafter, serve_args.num_speculative_tokens, serve_args.speculative_max_batch_size,
+                serve_args.draft_sample_method,
+            )
+        )  # fmt: skip
     backend = serve_args.weight_transfer_backend
     if backend == "auto":
         import torch
@@ -96,6 +112,37 @@ def build_command(script_args, serve_args: ServeArguments, extra_args: list[str]
             "with the flags of docs/server.md."
         )
     return command + ["--worker-extension-cls", "trl_tlt.vllm.transfer.TLTWorkerExtension"]
+
+
+@contextlib.contextmanager
+def running_server(argv: list[str], log: Path, startup_seconds: float = 600.0):
+    """`trl-tlt vllm-serve ARGV` on a free loopback port, its output in `log`, until it answers `/health`: yields its
+    URL; stopped on exit (the tests' and the benchmarks' server)."""
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "trl_tlt.tooling.cli", "vllm-serve", *argv, "--host", "127.0.0.1", "--port",
+               str(port)]  # fmt: skip
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + startup_seconds
+    try:
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"The vLLM server did not start ({log}):\n{Path(log).read_text()[-5000:]}")
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def main(argv: list[str] | None = None) -> None:

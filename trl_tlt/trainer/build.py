@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -90,7 +92,16 @@ def build_rollout_stack(
     if stack.spot is not None and trainer.use_vllm and args.vllm_mode == "server":  # the wait for the server
         stack.trains_while_waiting = True
         trainer.vllm_generation.while_waiting = stack.train_while_waiting
+        if accelerator.device.type == "cpu":  # a server on this host shares the cores: the time budget's share
+            trainer.vllm_generation.while_waiting = functools.partial(within_budget, stack, args.spot_time_budget)
     return stack
+
+
+def within_budget(stack: RolloutStack, time_budget: float, done):
+    """`stack.train_while_waiting(done)`, its drafter steps stopped after `time_budget` x the last rollout's seconds:
+    a trainer on CPU cores shares them with a server on the same host, whose wait is then not idle time."""
+    deadline = time.perf_counter() + time_budget * stack.rollout_costs[0]
+    return stack.train_while_waiting(lambda: done() or time.perf_counter() > deadline)
 
 
 # ------------------------------------------------------------------------------------------------- drafters
