@@ -115,9 +115,9 @@ def build_command(script_args, serve_args: ServeArguments, extra_args: list[str]
 
 
 @contextlib.contextmanager
-def running_server(argv: list[str], log: Path, startup_seconds: float = 600.0):
-    """`trl-tlt vllm-serve ARGV` on a free loopback port, its output in `log`, until it answers `/health`: yields its
-    URL; stopped on exit (the tests' and the benchmarks' server)."""
+def running_server(argv: list[str], log: Path, startup_seconds: float = 600.0, env: dict | None = None):
+    """`trl-tlt vllm-serve ARGV` on a free loopback port (`env`: its environment, default this one's), its output in
+    `log`, until it answers `/health`: yields its URL; stopped on exit (the tests' and the benchmarks' server)."""
     import requests
 
     with socket.socket() as s:
@@ -126,7 +126,7 @@ def running_server(argv: list[str], log: Path, startup_seconds: float = 600.0):
     command = [sys.executable, "-m", "trl_tlt.tooling.cli", "vllm-serve", *argv, "--host", "127.0.0.1", "--port",
                str(port)]  # fmt: skip
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + startup_seconds
     try:
         while True:
