@@ -31,6 +31,7 @@ import time
 from trl_tlt.tooling.benchmarks import (  # first: the Hugging Face libraries offline
     machine,
     step_timer,
+    timed_calls,
     trainer_config,
     write_json,
 )
@@ -262,16 +263,7 @@ def run_trainer(
                       processing_class=tokenizer)  # fmt: skip
         times = step_timer()
         trainer.add_callback(times)
-        rollouts = []
-        generate = trainer._generate  # one rollout (spot training included: TLT trains the drafter at its end)
-
-        def timed_generate(*a, **k):
-            begin = time.perf_counter()
-            out = generate(*a, **k)
-            rollouts.append(time.perf_counter() - begin)
-            return out
-
-        trainer._generate = timed_generate
+        rollouts = timed_calls(trainer, "_generate")  # one rollout (spot training included: TLT trains at its end)
         trainer.train()
         wall = time.perf_counter() - start
     logs = [h for h in trainer.state.log_history if "reward" in h]

@@ -22,13 +22,13 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from unittest import mock
 
 from trl_tlt.tooling.benchmarks import (  # first: the Hugging Face libraries offline
     run_parts,
     step_timer,
+    timed_calls,
     trainer_config,
     write_json,
 )
@@ -52,20 +52,6 @@ def server_argv(policy: str, drafter: str | None) -> list[str]:
     return ["--model", policy, *speculation, "--dtype", "float32", "--max_model_len", "1024", "--seed", "0"]
 
 
-def timed_rollouts(trainer) -> list[float]:
-    """The wall seconds of every generation turn (TRL's: the policy sync, then the request)."""
-    seconds, turn = [], trainer._generate_single_turn
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        output = turn(*args, **kwargs)
-        seconds.append(time.perf_counter() - start)
-        return output
-
-    trainer._generate_single_turn = timed
-    return seconds
-
-
 def train(trainer_cls, config, policy: str) -> tuple[object, dict]:
     rewards = drift_rewards()
     trainer = trainer_cls(
@@ -73,7 +59,7 @@ def train(trainer_cls, config, policy: str) -> tuple[object, dict]:
         train_dataset=make_dataset(8 * config.max_steps, seed=2024),
         processing_class=AutoTokenizer.from_pretrained(policy, padding_side="left"),
     )  # fmt: skip
-    steps, rollouts = step_timer(), timed_rollouts(trainer)
+    steps, rollouts = step_timer(), timed_calls(trainer, "_generate_single_turn")  # the sync, then the request
     trainer.add_callback(steps)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]

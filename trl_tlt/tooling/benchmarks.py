@@ -76,6 +76,21 @@ def step_timer():
     return StepTimes()
 
 
+def timed_calls(obj, name: str) -> list[float]:
+    """The wall seconds of every later call of `obj.name` (the method wrapped on the instance), in a list filled as
+    they happen."""
+    seconds, method = [], getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        output = method(*args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        return output
+
+    setattr(obj, name, timed)
+    return seconds
+
+
 def write_json(result: dict, path: str | None) -> None:
     """Write `result`, stamped with its command, commit, machine and seconds (`provenance.stamp`), to `path`
     (indented JSON) and say so; nothing when `path` is None."""

@@ -6,7 +6,7 @@
   and the drafter push as files on this host instead of an NCCL broadcast (which moves nothing on a CPU); other
   backends go through TRL's code unchanged.
 - `loaded_weights` reads back, through the server, the checksums of what its workers last loaded (`tlt_shm` with
-  `TLTWorkerExtension`), which `drafter_sha256` computes on the trainer's side.
+  `TLTWorkerExtension`), to compare with `last_update_sha256`, the digest of the last update sent.
 """
 
 from __future__ import annotations

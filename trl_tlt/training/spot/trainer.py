@@ -368,7 +368,7 @@ class SpotTrainer:
             stats.losses.append(loss)
 
     def end_phase(self, stats: SpotStats) -> SpotStats:
-        """A phase's end (budgeted, or `run_while_waiting`'s): the weights checked and kept; with several processes the ranks' drafters merged."""
+        """A phase's end (any but `run_while_idle`'s): the weights checked and kept; several processes: merged."""
         finite = self._keep_good()
         stats.resets = self._phase_resets
         if self.group is None:
