@@ -48,7 +48,8 @@ def main(policy_dir: str, drafter_dir: str, output_dir: str, sharding: str | Non
     server = sharding.removeprefix("server=") if sharding and sharding.startswith("server=") else None
     if server is not None:
         del config["vllm_max_model_length"], config["spot_training"], config["spot_learning_rate"]
-        config.update(vllm_mode="server", vllm_server_base_url=server, max_steps=3)  # 2 waits that train
+        # 2 waits that train, each as long as 48 tokens take the server: drafter steps on each rank, even on a busy CPU
+        config.update(vllm_mode="server", vllm_server_base_url=server, max_steps=3, max_completion_length=48)
     elif sharding is not None:
         sharded_at_the_seam(sharding, config)
     args = TLTConfig(**config)

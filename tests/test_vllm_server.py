@@ -4,9 +4,11 @@ weight transfer), the drafter trained in the trainer and pushed into the server'
 Run with `make test-vllm`.
 """
 
+import functools
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,9 +18,9 @@ from unittest import mock
 import pytest
 import torch
 from datasets import Dataset
-from safetensors.torch import save
+from safetensors.torch import load_file, save, save_file
 from testing_utils import K, rule_sequences
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_tlt import TLTConfig, TLTGRPOTrainer
 from trl_tlt.drafters.eagle3 import Eagle3Drafter
@@ -43,7 +45,7 @@ def server(rule_policy, tmp_path_factory):
         yield url
 
 
-def server_trainer(rule_policy, tokenizer, output_dir, url, model=None, **overrides) -> TLTGRPOTrainer:
+def server_trainer(rule_policy, tokenizer, output_dir, url, model=None, callbacks=None, **overrides) -> TLTGRPOTrainer:
     """TLTGRPOTrainer in server mode on the rule policy (or `model`), 2 prompts x 4 samples at temperature 1, the
     server's head (`drafter_model_name_or_path`), every other TLTConfig default."""
     g = torch.Generator().manual_seed(1)
@@ -61,7 +63,16 @@ def server_trainer(rule_policy, tokenizer, output_dir, url, model=None, **overri
         args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
+        callbacks=callbacks,
     )
+
+
+def scaled_policy(rule_policy, scale):
+    """The rule policy with its logits scaled: another distribution, the same argmax."""
+    model = AutoModelForCausalLM.from_pretrained(rule_policy[0], dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
 
 
 def sha256_of(named_tensors) -> str:
@@ -120,12 +131,7 @@ def test_the_server_samples_from_the_synced_policy(rule_policy, tokenizer, tmp_p
     sync that moves nothing (NCCL on a CPU): the check fails and the run stops before training on them."""
     from trl.generation.vllm_generation import VLLMGeneration
 
-    def other_policy(scale):
-        model = AutoModelForCausalLM.from_pretrained(rule_policy[0], dtype=torch.float32)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(scale)  # another distribution, the same argmax
-        return model
-
+    other_policy = functools.partial(scaled_policy, rule_policy)
     trainer = server_trainer(rule_policy, tokenizer, tmp_path / "synced", server, model=other_policy(0.5), max_steps=2)
     trainer.train()
     assert all("tlt/vllm_sample_z" in log for log in trainer.state.log_history[:2])
@@ -150,8 +156,9 @@ def test_server_mode_under_torchrun(rule_policy, tmp_path, server):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads((tmp_path / f"report-{rank}.json").read_text()) for rank in (0, 1)]
-    assert all(r["world_size"] == 2 and r["global_step"] == 3 for r in reports)
-    assert all(r["spot_steps"] > 0 and r["rerun_samples"] == 0 and r["push_failures"] == 0 for r in reports)
+    assert all(r["world_size"] == 2 and r["global_step"] == 3 for r in reports), reports
+    counts = [(r["spot_steps"], r["rerun_samples"], r["push_failures"]) for r in reports]
+    assert all(steps > 0 and reruns == 0 and failures == 0 for steps, reruns, failures in counts), counts
     assert reports[0]["drafter_sum"] == reports[1]["drafter_sum"]
     assert reports[0]["verify_steps"] > 0  # the server speculated, as its counters say
 
@@ -180,6 +187,68 @@ def test_a_failed_push_loses_nothing_and_the_next_sync_pushes_again(rule_policy,
     assert served[0] == at_start  # nothing of the refused push was loaded
     generation.sync_weights()
     assert server_drafter_sha256(trainer) == {sha256_of(generation._drafter_weights())}
+
+
+def test_a_restarted_server_gets_the_policy_and_the_drafter_again(rule_policy, tokenizer, tmp_path):
+    """The server stopped and started again on its port, twice, under a trainer whose policy is not the server's
+    checkpoint (so a server that samples from its checkpoint fails the sample check):
+    - after step 1, with no draft model (`--speculate false`), away while the trainer wants its next sync: the trainer
+      waits for it, sets the weight transfer up again and pushes the policy; the drafter push it cannot take is
+      counted, and the run goes on;
+    - during step 3's rollout, between the sync and the request, with another drafter (the head's weights changed):
+      the completions of its checkpoint are dropped, and requested again after a sync.
+    Every step's samples pass the check, and the last server's draft model reads back the trainer's drafter."""
+    from trl_tlt.tooling.serve import free_port, start_server, stop, wait_for_server
+
+    other_head = tmp_path / "other-head"
+    shutil.copytree(rule_policy[1], other_head)
+    for file in other_head.glob("*.safetensors"):
+        save_file({name: t * 0.5 for name, t in load_file(file).items()}, file)
+    argv = ["--model", rule_policy[0], "--num_speculative_tokens", str(K), "--dtype", "float32", "--enforce_eager",
+            "--max_model_len", "128", "--seed", "0"]  # fmt: skip
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    servers = [start_server([*argv, "--drafter", rule_policy[1]], tmp_path / "server-0.log", port)]
+
+    def restart(extra: list[str], wait: bool) -> None:
+        stop(servers[-1])
+        log = tmp_path / f"server-{len(servers)}.log"
+        servers.append(start_server([*argv, *extra], log, port))
+        if wait:
+            wait_for_server(servers[-1], url, log)
+
+    class RestartAfterStep1(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                restart(["--speculate", "false"], wait=False)
+
+    try:
+        trainer = server_trainer(
+            rule_policy, tokenizer, tmp_path, url, model=scaled_policy(rule_policy, 0.5), max_steps=4,
+            vllm_server_timeout=600, callbacks=[RestartAfterStep1()],
+        )  # fmt: skip
+        generation = trainer.vllm_generation
+        sync, client = generation.sync_weights, generation.vllm_client
+        init_communicator, inits = client.init_communicator, []
+        client.init_communicator = lambda **kw: (inits.append(len(servers)), init_communicator(**kw))
+
+        def sync_then_restart():  # step 3's sync, then a restart before its request
+            sync()
+            if trainer.state.global_step == 2 and len(servers) == 2:
+                restart(["--drafter", str(other_head)], wait=True)
+
+        generation.sync_weights = sync_then_restart
+        trainer.train()
+        assert trainer.state.global_step == 4 and inits == [2, 3], inits  # each restart told once, on its server
+        logs = trainer.state.log_history[:4]
+        assert all("tlt/vllm_sample_z" in log for log in logs), logs  # the policy's samples, every step
+        assert [log["tlt/drafter_push_failures"] for log in logs] == [0, 1, 2, 2], logs  # no draft model, twice
+        generation.sync_weights = sync
+        generation.sync_weights()
+        assert server_drafter_sha256(trainer) == {sha256_of(generation._drafter_weights())}
+    finally:
+        for process in servers:
+            stop(process)
 
 
 def test_a_server_with_another_drafter_is_refused_by_name(rule_policy, tokenizer, tmp_path, server):

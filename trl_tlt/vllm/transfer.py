@@ -10,7 +10,8 @@ the last update that succeeded. It carries the policy sync and the drafter push 
 
 Each worker keeps the sha256 of the last file it loaded, per target ("policy", "draft"); `TLTWorkerExtension` (the
 server's `--worker-extension-cls`) reads them back through `POST /collective_rpc`, so the trainer knows what the
-server holds: a server restarted with another drafter, or none, reads back no checksum, and the trainer pushes again.
+server holds, and each worker's process id (`BOOT`): a server restarted with another drafter, or none, has new ids and
+no checksum, and the trainer sets the transfer up again and pushes the policy and the drafter again.
 
 vLLM loads it in every engine process through the `vllm.general_plugins` entry point `trl_tlt_weight_transfer`
 (`register`); a server selects it with `--weight-transfer-config '{"backend": "tlt_shm"}'`.
@@ -22,6 +23,7 @@ import contextlib
 import copy
 import functools
 import hashlib
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from . import TRANSFER_BACKEND as BACKEND
+
+
+BOOT = uuid.uuid4().hex  # this process's id, drawn at its start: a restarted server's workers have new ones
 
 
 @dataclass
@@ -147,6 +152,10 @@ class TLTWorkerExtension:
         """The sha256 of the last `tlt_shm` file loaded into each target ("policy", "draft") of this worker."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "loaded_sha256", {}))
+
+    def trl_tlt_boot(self) -> str:
+        """This worker process's id (`BOOT`): the trainer tells a restarted server by it."""
+        return BOOT
 
     def trl_tlt_own_draft_lm_head(self) -> None:
         """`own_draft_lm_head` on this worker's draft model, whatever the weight-transfer backend (NCCL too)."""
