@@ -157,6 +157,7 @@ class TLTVLLMGeneration(VLLMGeneration):
                 f"The vLLM server at {client.base_url} restarted: its weight transfer is set up again, and the policy "
                 "and the drafter are pushed again."
             )
+            client.close_communicator()  # NCCL: the group with the old server's workers (its store's port reused)
             client.init_communicator(device=self.accelerator.device)
             self._owns_draft_head = False
         if self.mode == "colocate" and current_platform.is_cpu():
