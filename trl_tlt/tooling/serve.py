@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -119,8 +120,8 @@ def start_server(argv: list[str], log: Path, port: int, env: dict | None = None)
     not waited for."""
     command = [sys.executable, "-m", "trl_tlt.tooling.cli", "vllm-serve", *argv, "--host", "127.0.0.1", "--port",
                str(port)]  # fmt: skip
-    with open(log, "w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    with open(log, "w") as out:  # a session of its own: `stop` ends vLLM's engine processes with it
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def free_port() -> int:
@@ -130,12 +131,16 @@ def free_port() -> int:
 
 
 def stop(process: subprocess.Popen) -> None:
-    process.terminate()
+    """End a `start_server` process and every process it started (vLLM's engine core among them)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        pass
+    with contextlib.suppress(ProcessLookupError):  # what did not end by now
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def wait_for_server(process: subprocess.Popen, url: str, log: Path, startup_seconds: float = 600.0) -> None:

@@ -18,6 +18,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -84,10 +85,18 @@ class TLTVLLMClient(VLLMClient):
         """Whether the server is no longer the one `init_communicator` set up (it was restarted: new worker processes,
         holding the weights they started with), waiting up to `timeout` seconds for a server that does not answer
         (then `ConnectionError`). False for a server without `TLTWorkerExtension`, which cannot tell."""
+        import requests
+
         if self.boot is None:
             return False
-        self.check_server(timeout)
-        return self.server_boot() != self.boot
+        deadline = time.monotonic() + timeout
+        while True:  # TRL's `check_server` waits on a request without a timeout: a server that hangs would hold it
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{self.base_url}/health", timeout=10).status_code == 200:
+                    return self.server_boot() != self.boot
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"The vLLM server at {self.base_url} did not answer within {timeout} s.")
+            time.sleep(2)
 
     def _start_weight_update(self):
         if self.backend != BACKEND:

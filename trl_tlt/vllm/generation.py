@@ -151,15 +151,8 @@ class TLTVLLMGeneration(VLLMGeneration):
         since the last sync, the weight transfer is set up again first (`_server_restarted`)."""
         from vllm.platforms import current_platform
 
-        if self.mode == "server" and self._server_restarted() and self.accelerator.is_main_process:
-            client = self.vllm_client
-            logger.warning(
-                f"The vLLM server at {client.base_url} restarted: its weight transfer is set up again, and the policy "
-                "and the drafter are pushed again."
-            )
-            client.close_communicator()  # NCCL: the group with the old server's workers (its store's port reused)
-            client.init_communicator(device=self.accelerator.device)
-            self._owns_draft_head = False
+        if self.mode == "server":
+            self._server_restarted(set_up_again=True)
         if self.mode == "colocate" and current_platform.is_cpu():
             self.model_runner.reload_weights(weights_iterator=self._iter_named_params())
             self.llm.reset_prefix_cache()
@@ -289,16 +282,20 @@ class TLTVLLMGeneration(VLLMGeneration):
             metrics["tlt/drafter_push_seconds"] = self.last_push_seconds
         return metrics
 
-    def _server_restarted(self) -> bool:
+    def _server_restarted(self, set_up_again: bool = False) -> bool:
         """Server mode: whether the server was restarted since the weight transfer was set up (`TLTVLLMClient.restarted`,
-        waiting up to `vllm_server_timeout` for a server that does not answer). The main process asks; every rank gets
-        the answer, or its error."""
+        waiting up to `vllm_server_timeout` for a server that does not answer); where `set_up_again`, its weight transfer
+        is set up again (the policy and the drafter then go in whole). The main process asks; every rank gets the answer,
+        or its error."""
         from accelerate.utils import broadcast_object_list
 
         verdict = [(False, None)]
         if self.accelerator.is_main_process:
             try:
-                verdict = [(self.vllm_client.restarted(self.server_timeout), None)]
+                restarted = self.vllm_client.restarted(self.server_timeout)
+                if restarted and set_up_again:
+                    self._set_up_again()
+                verdict = [(restarted, None)]
             except Exception as error:  # raised on every rank: the others wait for this verdict
                 verdict = [
                     (False, f"{error} The run stops; resume it from its last checkpoint once the server is up.")
@@ -307,6 +304,23 @@ class TLTVLLMGeneration(VLLMGeneration):
         if error is not None:
             raise ConnectionError(error)
         return restarted
+
+    def _set_up_again(self) -> None:
+        """The main process, to a restarted server: a new weight transfer; its draft model gets its own LM head before
+        the next drafter push (`push_to_server`)."""
+        client = self.vllm_client
+        logger.warning(
+            f"The vLLM server at {client.base_url} restarted: its weight transfer is set up again, and the policy and "
+            "the drafter are pushed again."
+        )
+        client.close_communicator()  # NCCL: the group with the old server's workers (its store's port reused)
+        client.init_communicator(device=self.accelerator.device)
+        self._owns_draft_head = False
+        if client.boot is None:
+            logger.warning(
+                f"The restarted vLLM server at {client.base_url} does not tell its worker processes (no "
+                "TLTWorkerExtension, or it did not answer): later restarts are not told; the sample check still runs."
+            )
 
     def _check_server_drafter(self) -> None:
         client = self.vllm_client
