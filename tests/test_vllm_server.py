@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -274,8 +273,8 @@ def test_a_server_with_another_drafter_is_refused_by_name(rule_policy, tokenizer
 
 def test_an_unreachable_server_is_a_clear_error(rule_policy, tokenizer, tmp_path):
     """No server at the URL: an error at start that says how to start one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from trl_tlt.tooling.serve import free_port
+
+    port = free_port()
     with pytest.raises(ConnectionError, match="trl-tlt vllm-serve"):
         server_trainer(rule_policy, tokenizer, tmp_path, f"http://127.0.0.1:{port}", vllm_server_timeout=1)
